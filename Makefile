@@ -1,0 +1,37 @@
+# Set-up and checks. `make train` and `make test` are the README's two quick-start commands.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTEST := $(BIN)/python -m pytest
+# CPU machines pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
+CONSTRAINTS ?= constraints-cpu.txt
+
+.PHONY: install train test test-slow test-docker test-gpu test-all clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+	touch $@
+
+train: install  ## the copy task end to end on this machine (about a minute on 2 CPU cores)
+	$(BIN)/transformer-train experiment=copy
+
+test: install  ## fast CPU tier
+	$(PYTEST) -m "not slow and not distributed and not docker and not gpu"
+
+test-slow: install  ## end-to-end runs and multi-process (gloo on 127.0.0.1) tests
+	$(PYTEST) -m "(slow or distributed) and not docker and not gpu"
+
+test-docker: install  ## builds the image from a local base and runs a job in it (needs root)
+	$(PYTEST) -m docker
+
+test-gpu: install  ## needs a CUDA GPU
+	$(PYTEST) -m gpu
+
+test-all: test test-slow test-docker
+
+clean:
+	rm -rf $(VENV) outputs multirun .pytest_cache

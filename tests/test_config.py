@@ -1,0 +1,68 @@
+import subprocess
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from tests.conftest import CONF, cli_env, compose_cfg, train_cmd
+from transformer.config import ConfigError, validate
+
+
+def group_options():
+    for group in sorted(p for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"):
+        for f in sorted(group.glob("*.yaml")):
+            yield group.name, f.stem
+
+
+@pytest.mark.parametrize("group,option", list(group_options()))
+def test_every_config_option_composes(group, option):
+    cfg = compose_cfg(f"{group}={option}")
+    OmegaConf.to_container(cfg, resolve=False, throw_on_missing=False)
+    assert cfg.model.d_model > 0
+
+
+def test_paper_base_and_big():
+    base = compose_cfg("model=base").model
+    assert (base.N, base.d_model, base.d_ff, base.h, base.dropout) == (6, 512, 2048, 8, 0.1)
+    big = compose_cfg("model=big").model
+    assert (big.N, big.d_model, big.d_ff, big.h, big.dropout) == (6, 1024, 4096, 16, 0.3)
+
+
+def test_typo_fails_with_full_key():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg("optim.lrr=1")
+    assert "Key 'lrr' not in 'OptimConfig'" in str(e.value.__cause__)
+
+
+def test_wrong_type_fails_with_full_key():
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg("model.d_model=big")
+    assert "model.d_model" in str(e.value.__cause__)
+
+
+@pytest.mark.parametrize("override,key", [
+    ("model.h=7", "model.d_model"),
+    ("model.dropout=1.0", "model.dropout"),
+    ("optim.warmup=0", "optim.warmup"),
+    ("model.N=0", "model.N"),
+    ("trainer.accumulate=0", "trainer.accumulate"),
+    ("trainer.devices=two", "trainer.devices"),
+])
+def test_semantic_checks_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate(compose_cfg(override))
+
+
+@pytest.mark.parametrize("override,message", [
+    ("optim.lrr=1", "Key 'lrr' not in 'OptimConfig'"),
+    ("model.h=7", "model.d_model=512: must be divisible by model.h=7"),
+])
+def test_bad_override_exits_nonzero_and_writes_nothing(tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(train_cmd(override, f"hydra.run.dir={run_dir}"), cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not run_dir.exists() or not any(run_dir.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["run"])

@@ -1,0 +1,54 @@
+import math
+
+import pytest
+import torch
+
+from transformer.loss import label_smoothed_cross_entropy
+from transformer.optim import NoamSchedule, noam_lr
+
+
+def test_noam_values_at_chosen_steps():
+    d, w = 512, 4000
+    assert noam_lr(1, d, w) == pytest.approx(512 ** -0.5 * 4000 ** -1.5)
+    assert noam_lr(4000, d, w) == pytest.approx(512 ** -0.5 * 4000 ** -0.5)  # the peak, about 7.0e-4
+    assert noam_lr(4000, d, w) == pytest.approx(6.987712e-4, rel=1e-6)
+    assert noam_lr(16000, d, w) == pytest.approx(512 ** -0.5 * 16000 ** -0.5)
+    assert noam_lr(2000, d, w, factor=2.0) == pytest.approx(2 * 512 ** -0.5 * 2000 * 4000 ** -1.5)
+    assert max(range(1, 10000), key=lambda s: noam_lr(s, d, w)) == w
+
+
+def test_schedule_steps_once_per_optimizer_step_and_round_trips():
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.Adam([p])
+    sched = NoamSchedule(opt, 64, 10, 1.0)
+    assert opt.param_groups[0]["lr"] == pytest.approx(noam_lr(1, 64, 10))
+    for _ in range(5):
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(noam_lr(6, 64, 10))
+    other = NoamSchedule(torch.optim.Adam([p]), 64, 10, 1.0)
+    other.load_state_dict(sched.state_dict())
+    assert other.lr() == sched.lr()
+
+
+def test_label_smoothing_against_hand_computed_example():
+    # V = 4 classes, eps = 0.3: target gets 0.7, each of the other 3 classes 0.1.
+    logits = torch.tensor([[[2.0, 0.5, -1.0, 0.0], [0.1, 0.2, 0.3, 0.4]]])  # (1, 2, 4)
+    target = torch.tensor([[1, 0]])  # second position is padding (pad id 0)
+    loss, nll = label_smoothed_cross_entropy(logits, target, 0.3, pad_id=0)
+    z = [2.0, 0.5, -1.0, 0.0]
+    logsumexp = math.log(sum(math.exp(v) for v in z))
+    logp = [v - logsumexp for v in z]
+    expected = -(0.7 * logp[1] + 0.1 * (logp[0] + logp[2] + logp[3]))
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert nll.item() == pytest.approx(-logp[1], rel=1e-6)
+
+
+def test_no_smoothing_is_plain_cross_entropy_over_non_pad():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 5, 11)
+    target = torch.randint(1, 11, (3, 5))
+    target[0, 3:] = 0
+    loss, nll = label_smoothed_cross_entropy(logits, target, 0.0, pad_id=0)
+    ref = torch.nn.functional.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=0, reduction="sum")
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    assert nll.item() == pytest.approx(ref.item(), rel=1e-6)

@@ -1,0 +1,123 @@
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from tests.conftest import compose_cfg
+from transformer.checkpoint import CheckpointError, Checkpointer, atomic_save, load_checkpoint, load_model
+from transformer.data.batch import PairDataset, Ragged, collate
+from transformer.data.copy import CopyData
+from transformer.dist import DistEnv
+from transformer.model import Transformer
+from transformer.trainer import Trainer
+
+SMALL = ["experiment=copy", "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2",
+         "data.copy.train_size=256", "data.copy.val_size=32", "data.copy.test_size=32", "data.max_tokens=200",
+         "trainer.progress=false"]
+
+
+def make_trainer(tmp_path, *overrides, seed_model=0):
+    cfg = compose_cfg(*SMALL, *overrides)
+    data = CopyData(cfg, cfg.seed, 0, 1)
+    torch.manual_seed(seed_model)
+    model = Transformer(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    return Trainer(cfg, DistEnv(), model, data, tmp_path)
+
+
+def ragged_pairs(n, seed):
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(4, 11, size=rng.integers(2, 9)).tolist() for _ in range(n)]
+    return PairDataset(Ragged.from_lists(seqs), Ragged.from_lists([s[::-1] for s in seqs]))
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    """K micro-batches of unequal token counts with accumulate=K give the update of one batch holding
+    all their sentences. Tolerance: 1e-6 absolute on the weights after 3 Adam steps (fp32; only the
+    summation order differs)."""
+    ds = ragged_pairs(12, seed=3)
+    items = [ds[i] for i in range(12)]
+    big = make_trainer(tmp_path / "a", "model.dropout=0.0", "trainer.label_smoothing=0.1")
+    acc = make_trainer(tmp_path / "b", "model.dropout=0.0", "trainer.label_smoothing=0.1", "trainer.accumulate=3")
+    for _ in range(3):
+        big._optimizer_step([collate(items)])
+        acc._optimizer_step([collate(items[:2]), collate(items[2:7]), collate(items[7:])])
+    for (name, a), b in zip(big.model.named_parameters(), acc.model.parameters()):
+        assert torch.allclose(a, b, atol=1e-6, rtol=0), name
+    # And the test can fail: a different split normalised per micro-batch would not match.
+    assert any(not torch.equal(a, b) for a, b in zip(big.model.parameters(), make_trainer(
+        tmp_path / "c", seed_model=1).model.parameters()))
+
+
+def test_checkpoint_round_trip_gives_identical_next_step(tmp_path):
+    t1 = make_trainer(tmp_path / "one", "model.dropout=0.1")
+    batches = list(t1.data.train_loader(0))
+    for b in batches[:3]:
+        t1._optimizer_step([b])
+        t1.step += 1
+    path = tmp_path / "ck.pt"
+    atomic_save(t1.state_dict(), path)
+    t2 = make_trainer(tmp_path / "two", "model.dropout=0.1", seed_model=99)
+    ckpt = load_checkpoint(path)
+    t2.load_state_dict(ckpt, str(path))  # also sets this process's RNG to the saved state
+    assert t2.step == 3
+    out1 = t1._optimizer_step([batches[3]])
+    torch.set_rng_state(ckpt["rng"][0]["cpu"])  # both trainers share this process's RNG: rewind for t2
+    out2 = t2._optimizer_step([batches[3]])
+    assert out1[1] == out2[1]  # the same loss, bit for bit (dropout RNG restored)
+    for a, b in zip(t1.model.parameters(), t2.model.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_checkpoint_is_self_sufficient_and_weights_only(tmp_path):
+    t = make_trainer(tmp_path)
+    path = Checkpointer(tmp_path, keep_last=2).save(t.state_dict(), step=7, is_best=True)
+    raw = torch.load(path, weights_only=True)
+    assert raw["model_args"]["d_model"] == 32 and raw["trainer"]["step"] == 0
+    model, tokenizer, _ = load_model(tmp_path / "checkpoints" / "best.pt")
+    src = torch.randint(4, 11, (2, 5))
+    assert torch.equal(model(src, src), t.model.eval()(src, src))
+    assert tokenizer.decode_tgt([4, 5]) == "4 5"
+
+
+class Evil:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_checkpoint_with_pickled_object_is_refused(tmp_path):
+    path = tmp_path / "evil.pt"
+    torch.save({"format": "transformer-checkpoint/1", "payload": Evil()}, path)
+    with pytest.raises(CheckpointError, match="not a loadable checkpoint"):
+        load_checkpoint(path)
+
+
+def test_keep_last_and_links(tmp_path):
+    t = make_trainer(tmp_path)
+    ck = Checkpointer(tmp_path, keep_last=2)
+    state = t.state_dict()
+    for step, best in [(1, True), (2, False), (3, False)]:
+        ck.save(state, step, best)
+    assert [s for s, _ in ck.step_files()] == [3, 2]
+    assert (tmp_path / "checkpoints" / "best.pt").is_file()  # survives its step file's deletion
+    assert (tmp_path / "checkpoints" / "last.pt").samefile(tmp_path / "checkpoints" / "step_00000003.pt")
+
+
+def test_corrupt_newest_checkpoint_falls_back(tmp_path, caplog):
+    t = make_trainer(tmp_path)
+    ck = Checkpointer(tmp_path, keep_last=3)
+    state = t.state_dict()
+    ck.save(state, 1, False)
+    newest = ck.save(state, 2, False)
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated, as by a crash mid-copy
+    path, loaded = ck.find_resume()
+    assert path.name == "step_00000001.pt" and loaded["format"] == state["format"]
+    assert "skipping corrupt checkpoint" in caplog.text
+
+
+def test_model_mismatch_is_refused(tmp_path):
+    t = make_trainer(tmp_path)
+    state = copy.deepcopy(t.state_dict())
+    other = make_trainer(tmp_path / "x", "model.d_ff=128")
+    with pytest.raises(CheckpointError, match="holds another model"):
+        other.load_state_dict(state, "ck.pt")

@@ -1,0 +1,122 @@
+"""Checkpoint files: atomic writes, safe loads, keep-last-K, and finding the last good one to resume from.
+
+A checkpoint is the trainer's `state_dict()`: tensors and primitives only, so it loads with
+`torch.load(path, weights_only=True)` and no pickled code ever runs. It carries `model_args` and the
+tokenizer state, so `load_model(path)` rebuilds a working model from the file alone.
+"""
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Optional, Tuple
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FORMAT = "transformer-checkpoint/1"
+STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_save(obj, path: Path) -> None:
+    """Write to a temp file in the same folder, fsync, then rename: a crash leaves the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_link(src: Path, dst: Path) -> None:
+    """Point `dst` at the same file as `src` (hard link; a copy where links are not supported), atomically."""
+    tmp = dst.with_name(f".{dst.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        import shutil
+        shutil.copyfile(src, tmp)
+    os.replace(tmp, dst)
+    fsync_dir(dst.parent)
+
+
+def load_checkpoint(path, map_location="cpu") -> dict:
+    """Loads with weights_only=True; a file holding pickled objects, or not a checkpoint of ours, is refused."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    try:
+        ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # UnpicklingError for foreign objects, RuntimeError for truncated zips
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: not a loadable checkpoint ({first})") from e
+    if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a {FORMAT} file")
+    return ckpt
+
+
+def load_model(path, device="cpu"):
+    """(model in eval mode, tokenizer, checkpoint dict) from a checkpoint file alone."""
+    from transformer.data.tokenizer import tokenizer_from_state
+    from transformer.model import from_args
+
+    ckpt = load_checkpoint(path)
+    model = from_args(ckpt["model_args"])
+    model.load_state_dict(ckpt["model"])
+    return model.to(device).eval(), tokenizer_from_state(ckpt["tokenizer"]), ckpt
+
+
+class Checkpointer:
+    """Files under `<run_dir>/checkpoints/`: step_<N>.pt (the last `keep_last` kept), last.pt and best.pt
+    (hard links to step files, so each state is written once). Only rank 0 ever calls `save`."""
+
+    def __init__(self, run_dir: Path, keep_last: int):
+        self.folder = Path(run_dir) / "checkpoints"
+        self.keep_last = keep_last
+
+    def step_files(self):
+        """(step, path) pairs, newest first."""
+        if not self.folder.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := STEP_FILE.match(p.name))]
+        return sorted(found, reverse=True)
+
+    def save(self, state: dict, step: int, is_best: bool) -> Path:
+        path = self.folder / f"step_{step:08d}.pt"
+        atomic_save(state, path)
+        atomic_link(path, self.folder / "last.pt")
+        if is_best:
+            atomic_link(path, self.folder / "best.pt")
+        for _, old in self.step_files()[self.keep_last:]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def find_resume(self) -> Optional[Tuple[Path, dict]]:
+        """The newest step file that loads, with its contents; corrupt ones are skipped with a warning."""
+        for _, path in self.step_files():
+            try:
+                return path, load_checkpoint(path)
+            except CheckpointError as e:
+                log.warning("skipping corrupt checkpoint: %s", e)
+        return None

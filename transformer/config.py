@@ -1,0 +1,156 @@
+"""Structured-config schemas for every Hydra config group, registered in the ConfigStore.
+
+A typo or a wrong type in an override fails at composition with the full key, e.g.
+``Key 'lrr' not in 'OptimConfig'``. `validate()` adds the checks a type cannot express.
+"""
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from transformer.data.config import DataConfig, TokenizerConfig
+
+
+class ConfigError(ValueError):
+    """A config value that composes but makes no sense; the message names the full key."""
+
+
+@dataclass
+class ModelConfig:
+    """Section 3 of the paper; `base` and `big` are Table 3's rows."""
+    N: int = 6  # layers in each of the encoder and decoder stacks
+    d_model: int = 512
+    d_ff: int = 2048
+    h: int = 8  # attention heads; d_k = d_v = d_model / h
+    dropout: float = 0.1  # P_drop
+    norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm (Annotated Transformer)
+    tie_embeddings: str = "decoder"  # none | decoder | all (all needs one shared vocabulary)
+    max_positions: int = 1024
+
+
+@dataclass
+class OptimConfig:
+    """Section 5.3: Adam with the warmup-then-inverse-square-root ("Noam") rate."""
+    name: str = "adam_noam"
+    factor: float = 1.0
+    warmup: int = 4000  # optimiser steps, not micro-batches
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-9
+    weight_decay: float = 0.0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: Optional[int] = None  # optimiser steps; None = no limit
+    max_epochs: Optional[int] = 20
+    accumulate: int = 1  # micro-batches per optimiser step
+    clip_norm: Optional[float] = None
+    label_smoothing: float = 0.1  # Section 5.4
+    val_every: int = 1000  # steps; validation also runs at every epoch end
+    log_every: int = 50
+    devices: str = "auto"  # auto | N: workers spawned by this process (ignored under torchrun)
+    accelerator: str = "auto"  # auto | cpu | gpu
+    precision: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 | fp16
+    resume: str = "auto"  # auto (last good checkpoint of the run directory) | none | PATH
+    init_from: Optional[str] = None  # checkpoint whose weights only start a new run
+    deterministic: bool = False
+    timeout_s: int = 600  # process-group timeout: a dead peer fails the job after this long
+    compile: bool = False  # torch.compile the model
+    progress: bool = True  # progress bar on rank 0
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 1000  # also written at every epoch end and on preemption
+    keep_last: int = 3
+    best_metric: str = "val_loss"  # val_loss | val_bleu | val_accuracy
+
+
+@dataclass
+class EvalConfig:
+    """Decoding during training and for the translate/evaluate commands."""
+    beam: int = 1  # 1 = greedy
+    lenpen: float = 1.0  # score / length**lenpen
+    max_len_a: float = 1.2  # hypotheses stop at a * source length + b tokens
+    max_len_b: int = 10
+    nbest: int = 1
+    batch_tokens: int = 8000
+    bleu: bool = True  # validation BLEU at every validation (translation data only)
+    bleu_sentences: Optional[int] = None  # validate BLEU on the first N val pairs; None = all
+    patience: Optional[int] = None  # early stop after this many validations without a better best_metric
+
+
+@dataclass
+class Config:
+    model: ModelConfig = MISSING
+    optim: OptimConfig = MISSING
+    trainer: TrainerConfig = MISSING
+    data: DataConfig = MISSING
+    tokenizer: TokenizerConfig = MISSING
+    checkpoint: CheckpointConfig = MISSING
+    eval: EvalConfig = MISSING
+    seed: int = 1234
+
+
+def register_configs() -> None:
+    """`conf/config.yaml` lists `config_schema` first: every group merges into its typed node."""
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+def _check(ok: bool, key: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks a schema's types cannot express; raises ConfigError naming the full key."""
+    m, o, t, d = cfg.model, cfg.optim, cfg.trainer, cfg.data
+    for key in ("N", "d_model", "d_ff", "h", "max_positions"):
+        _check(m[key] > 0, f"model.{key}", m[key], "must be positive")
+    _check(m.d_model % m.h == 0, "model.d_model", m.d_model, f"must be divisible by model.h={m.h}")
+    _check(0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
+    _check(m.tie_embeddings in ("none", "decoder", "all"), "model.tie_embeddings", m.tie_embeddings,
+           "must be none, decoder or all")
+    _check(o.name == "adam_noam", "optim.name", o.name, "the only optimiser is adam_noam")
+    _check(o.warmup > 0, "optim.warmup", o.warmup, "must be > 0")
+    _check(o.factor > 0, "optim.factor", o.factor, "must be > 0")
+    _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2", (o.beta1, o.beta2), "must be in [0, 1)")
+    _check(t.accumulate >= 1, "trainer.accumulate", t.accumulate, "must be >= 1")
+    _check(t.max_steps is None or t.max_steps > 0, "trainer.max_steps", t.max_steps, "must be > 0 or null")
+    _check(t.max_epochs is None or t.max_epochs > 0, "trainer.max_epochs", t.max_epochs, "must be > 0 or null")
+    _check(t.max_steps is not None or t.max_epochs is not None, "trainer.max_steps", t.max_steps,
+           "set trainer.max_steps or trainer.max_epochs, or training never ends")
+    _check(t.clip_norm is None or t.clip_norm > 0, "trainer.clip_norm", t.clip_norm, "must be > 0 or null")
+    _check(0 <= t.label_smoothing < 1, "trainer.label_smoothing", t.label_smoothing, "must be in [0, 1)")
+    _check(t.val_every > 0, "trainer.val_every", t.val_every, "must be > 0")
+    _check(t.log_every > 0, "trainer.log_every", t.log_every, "must be > 0")
+    _check(t.devices == "auto" or (t.devices.isdigit() and int(t.devices) > 0), "trainer.devices", t.devices,
+           "must be auto or a positive number")
+    _check(t.accelerator in ("auto", "cpu", "gpu"), "trainer.accelerator", t.accelerator, "must be auto, cpu or gpu")
+    _check(t.precision in ("auto", "fp32", "bf16", "fp16"), "trainer.precision", t.precision,
+           "must be auto, fp32, bf16 or fp16")
+    _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")
+    _check(d.max_tokens > 0, "data.max_tokens", d.max_tokens, "must be > 0")
+    _check(d.max_sentences is None or d.max_sentences > 0, "data.max_sentences", d.max_sentences, "must be > 0")
+    _check(d.bad_pairs in ("skip", "error"), "data.bad_pairs", d.bad_pairs, "must be skip or error")
+    _check(cfg.checkpoint.every_steps > 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "must be > 0")
+    _check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
+    _check(cfg.checkpoint.best_metric in ("val_loss", "val_bleu", "val_accuracy"), "checkpoint.best_metric",
+           cfg.checkpoint.best_metric, "must be val_loss, val_bleu or val_accuracy")
+    _check(cfg.eval.beam >= 1, "eval.beam", cfg.eval.beam, "must be >= 1")
+    _check(1 <= cfg.eval.nbest <= cfg.eval.beam, "eval.nbest", cfg.eval.nbest, "must be in [1, eval.beam]")
+
+
+def to_container(cfg: DictConfig) -> dict:
+    """Plain, resolved dict (safe for `torch.load(weights_only=True)` and for pickling to spawned workers)."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+
+def from_container(d: dict) -> DictConfig:
+    """Rebuild a typed config from `to_container`'s output (spawned workers, checkpoints)."""
+    d = {k: v for k, v in d.items() if k != "hydra"}
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), d)
+    OmegaConf.set_struct(cfg, True)
+    return cfg

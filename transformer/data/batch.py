@@ -1,0 +1,108 @@
+"""Ragged token storage, the padded `Batch` the model consumes, and the collate function that makes it."""
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+# Special token ids, the same in every vocabulary of this project.
+PAD, UNK, BOS, EOS = 0, 1, 2, 3
+SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+
+
+class Ragged:
+    """Variable-length int sequences in one flat array plus offsets (cheap to save, load and slice)."""
+
+    def __init__(self, data: np.ndarray, offsets: np.ndarray):
+        self.data, self.offsets = data, offsets
+
+    @classmethod
+    def from_lists(cls, seqs: Sequence[Sequence[int]]) -> "Ragged":
+        lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+        offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        data = np.fromiter((t for s in seqs for t in s), dtype=np.int32, count=int(offsets[-1]))
+        return cls(data, offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.data[self.offsets[i]:self.offsets[i + 1]]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def save(self, path: Path) -> None:
+        np.savez(path, data=self.data, offsets=self.offsets)
+
+    @classmethod
+    def load(cls, path: Path) -> "Ragged":
+        with np.load(path) as f:
+            return cls(f["data"], f["offsets"])
+
+
+class PairDataset(torch.utils.data.Dataset):
+    """Source/target id sequences without specials; `sizes` count the special token each side gets."""
+
+    def __init__(self, src: Ragged, tgt: Ragged):
+        if len(src) != len(tgt):
+            raise ValueError(f"{len(src)} source but {len(tgt)} target sequences")
+        self.src, self.tgt = src, tgt
+
+    def __len__(self) -> int:
+        return len(self.src)
+
+    def __getitem__(self, i: int) -> Tuple[int, np.ndarray, np.ndarray]:
+        return i, self.src[i], self.tgt[i]
+
+    @property
+    def src_sizes(self) -> np.ndarray:
+        return self.src.lengths + 1  # + </s>
+
+    @property
+    def tgt_sizes(self) -> np.ndarray:
+        return self.tgt.lengths + 1  # <s> + y as input, y + </s> as output
+
+
+@dataclass
+class Batch:
+    src: torch.Tensor  # (B, S) x + </s>, right-padded with PAD
+    tgt_in: torch.Tensor  # (B, T) <s> + y: the decoder input (teacher forcing)
+    tgt_out: torch.Tensor  # (B, T) y + </s>: what the decoder must predict
+    ids: torch.Tensor  # (B,) example indices in the split
+    n_tokens: int  # non-pad target tokens: the loss is normalised by their sum over the step
+
+    def to(self, device: torch.device) -> "Batch":
+        nb = device.type == "cuda"
+        return Batch(self.src.to(device, non_blocking=nb), self.tgt_in.to(device, non_blocking=nb),
+                     self.tgt_out.to(device, non_blocking=nb), self.ids, self.n_tokens)
+
+    def pin_memory(self) -> "Batch":
+        # Called by the DataLoader's pin-memory thread; CUDA copies then overlap with compute.
+        return Batch(self.src.pin_memory(), self.tgt_in.pin_memory(), self.tgt_out.pin_memory(), self.ids,
+                     self.n_tokens)
+
+    def __len__(self) -> int:
+        return self.src.size(0)
+
+
+def collate(items: List[Tuple[int, np.ndarray, np.ndarray]]) -> Batch:
+    """CPU tensors only: CUDA tensors made in DataLoader workers would break fork and pinning."""
+    B = len(items)
+    S = max(len(s) for _, s, _ in items) + 1
+    T = max(len(t) for _, _, t in items) + 1
+    src = torch.full((B, S), PAD, dtype=torch.long)
+    tgt_in = torch.full((B, T), PAD, dtype=torch.long)
+    tgt_out = torch.full((B, T), PAD, dtype=torch.long)
+    for b, (_, s, t) in enumerate(items):
+        src[b, :len(s)] = torch.from_numpy(s.astype(np.int64))
+        src[b, len(s)] = EOS
+        tgt_in[b, 0] = BOS
+        tgt_in[b, 1:len(t) + 1] = torch.from_numpy(t.astype(np.int64))
+        tgt_out[b, :len(t)] = tgt_in[b, 1:len(t) + 1]
+        tgt_out[b, len(t)] = EOS
+    ids = torch.tensor([i for i, _, _ in items], dtype=torch.long)
+    return Batch(src, tgt_in, tgt_out, ids, int((tgt_out != PAD).sum()))

@@ -1,0 +1,49 @@
+"""Typed schemas of the `data` and `tokenizer` config groups."""
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+
+@dataclass
+class CopyConfig:
+    """The synthetic copy task (Annotated Transformer, "A First Example")."""
+    vocab_size: int = 11  # symbols 4..vocab_size-1 after the 4 specials
+    seq_len: int = 10
+    train_size: int = 20000
+    val_size: int = 500
+    test_size: int = 1000  # fresh sequences for the exact-match accuracy
+
+
+@dataclass
+class DataConfig:
+    name: str = "copy"  # copy | multi30k | files
+    src_lang: str = "de"
+    tgt_lang: str = "en"
+    root: Optional[str] = None  # cache/download folder; None = $XDG_CACHE_HOME/transformer or ~/.cache/transformer
+    # data=multi30k: files are fetched from URL/<file> into ROOT/multi30k (sha256-checked against the table in
+    # transformer/data/download.py); a ROOT that already holds them is used offline.
+    url: str = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
+    download_retries: int = 4  # attempts per file, with exponential backoff (1 s, 2 s, 4 s, ...)
+    download_timeout_s: float = 60.0  # per network read
+    # data=files: split name -> path prefix; files are PREFIX.SRC_LANG and PREFIX.TGT_LANG (optionally .gz)
+    files: Dict[str, str] = field(default_factory=dict)
+    train_split: str = "train"
+    valid_split: str = "val"
+    # Splits the evaluate command scores by default (Multi30k file stems, or keys of data.files).
+    test_splits: List[str] = field(default_factory=list)
+    max_tokens: int = 4096  # per worker per micro-batch, padding included
+    max_sentences: Optional[int] = None
+    max_len: int = 256  # tokens per side, after tokenisation
+    bad_pairs: str = "skip"  # skip (logged count) | error (names the file and line): empty or over-length pairs
+    num_workers: Optional[int] = None  # DataLoader workers; None = 2 on GPU, 0 on CPU
+    cache_dir: Optional[str] = None  # preprocessed ids, keyed by a hash of data + tokenizer config; None = <root>/cache
+    copy: CopyConfig = field(default_factory=CopyConfig)
+
+
+@dataclass
+class TokenizerConfig:
+    """Ids 0..3 are <pad> <unk> <s> </s> in every vocabulary (transformer/data/batch.py)."""
+    name: str = "spacy"  # spacy (word-level, one vocabulary per language) | bpe (one shared subword vocabulary)
+    min_freq: int = 2  # spacy: words seen fewer times in train map to <unk>; bpe: least frequent merge kept
+    max_vocab: Optional[int] = None  # spacy: keep at most this many words per language (specials included)
+    lowercase: bool = False
+    vocab_size: int = 10000  # bpe: shared source+target vocabulary size (specials included)

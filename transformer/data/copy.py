@@ -1,0 +1,47 @@
+"""The synthetic copy task: the target is the source (Annotated Transformer, "A First Example")."""
+import numpy as np
+
+from transformer.data.batch import SPECIALS, PairDataset, Ragged
+from transformer.data.module import DataModule
+
+
+class CopyTokenizer:
+    """Symbols are their own ids, written as numbers."""
+    shared_vocab = True
+
+    def __init__(self, vocab_size: int):
+        self.src_vocab_size = self.tgt_vocab_size = vocab_size
+
+    def encode_src(self, text: str) -> list:
+        return [int(t) for t in text.split()]
+
+    def decode_tgt(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+    def state_dict(self) -> dict:
+        return {"name": "copy", "vocab_size": self.src_vocab_size}
+
+
+def random_sequences(n: int, seq_len: int, vocab_size: int, seed: int) -> Ragged:
+    rng = np.random.default_rng(seed)
+    seqs = rng.integers(len(SPECIALS), vocab_size, size=(n, seq_len), dtype=np.int32)
+    return Ragged(seqs.reshape(-1), np.arange(n + 1, dtype=np.int64) * seq_len)
+
+
+def copy_split(n: int, cfg, seed: int) -> PairDataset:
+    seqs = random_sequences(n, cfg.seq_len, cfg.vocab_size, seed)
+    return PairDataset(seqs, seqs)
+
+
+class CopyData(DataModule):
+    task = "copy"
+
+    def __init__(self, cfg, seed: int, rank: int, world_size: int):
+        c = cfg.data["copy"]  # not .copy: DictConfig.copy is a method
+        if c.vocab_size <= len(SPECIALS):
+            raise ValueError(f"data.copy.vocab_size={c.vocab_size}: must exceed the {len(SPECIALS)} special tokens")
+        # Splits come from different seeds, so validation and test sequences are fresh.
+        train, valid = copy_split(c.train_size, c, seed), copy_split(c.val_size, c, seed + 1)
+        self.test = copy_split(c.test_size, c, seed + 2)
+        super().__init__(train, valid, CopyTokenizer(c.vocab_size), max_tokens=cfg.data.max_tokens,
+                         max_sentences=cfg.data.max_sentences, seed=seed, rank=rank, world_size=world_size)

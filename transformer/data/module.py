@@ -1,0 +1,65 @@
+"""What the trainer sees of a dataset: loaders of padded batches for this rank, and the tokenizer."""
+from typing import Iterable, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from transformer.data.batch import PAD, Batch, PairDataset, collate
+from transformer.data.sampler import TokenBatchSampler
+
+
+class DataModule:
+    """Train/valid splits as `PairDataset`s plus the tokenizer that made them.
+
+    `tokenizer` has `encode_src(str) -> list[int]`, `decode_tgt(list[int]) -> str`, `src_vocab_size`,
+    `tgt_vocab_size`, `shared_vocab` and `state_dict()` (primitives only, stored in checkpoints).
+    """
+
+    task = "translation"  # "copy" for the synthetic task: validated by exact-match accuracy, not BLEU
+
+    def __init__(self, train: PairDataset, valid: PairDataset, tokenizer, *, max_tokens: int,
+                 max_sentences: Optional[int], seed: int, rank: int, world_size: int, num_workers: int = 0,
+                 pin_memory: bool = False, valid_refs: Optional[Sequence[str]] = None,
+                 valid_srcs: Optional[Sequence[str]] = None):
+        self.train, self.valid, self.tokenizer = train, valid, tokenizer
+        self.rank, self.world_size = rank, world_size
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.valid_srcs, self.valid_refs = valid_srcs, valid_refs  # raw text of the valid split, for BLEU
+        self.train_sampler = TokenBatchSampler(train.src_sizes, train.tgt_sizes, max_tokens, max_sentences,
+                                               seed=seed, rank=rank, world_size=world_size, shuffle=True)
+        self.valid_sampler = TokenBatchSampler(valid.src_sizes, valid.tgt_sizes, max_tokens, max_sentences,
+                                               seed=seed, rank=rank, world_size=world_size, shuffle=False)
+
+    pad_id = PAD
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.tokenizer.src_vocab_size
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return self.tokenizer.tgt_vocab_size
+
+    @property
+    def shared_vocab(self) -> bool:
+        return self.tokenizer.shared_vocab
+
+    def num_train_batches(self, epoch: int) -> int:
+        return self.train_sampler.num_batches(epoch)
+
+    def train_loader(self, epoch: int, start: int = 0) -> Iterable[Batch]:
+        """This rank's batches of `epoch` from index `start` on (the sampler state the trainer saves)."""
+        return self._loader(self.train, self.train_sampler.rank_batches(epoch, start))
+
+    def valid_loader(self) -> Iterable[Batch]:
+        """This rank's shard of the validation split (sums must be all-reduced)."""
+        return self._loader(self.valid, self.valid_sampler.rank_batches(0))
+
+    def _loader(self, dataset: PairDataset, batches: List[np.ndarray]) -> Iterable[Batch]:
+        return torch.utils.data.DataLoader(
+            dataset, batch_sampler=[b.tolist() for b in batches], collate_fn=collate,
+            num_workers=self.num_workers, pin_memory=self.pin_memory,
+            persistent_workers=False, prefetch_factor=4 if self.num_workers else None)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,75 @@
+"""Token-bucketed batches sharded across ranks (fairseq's `max_tokens`).
+
+The batch list of an epoch depends only on (seed, epoch, world size), never on the rank, so every
+rank can compute it alone. Rank r takes batches r, r+W, r+2W, ...: with W workers one optimiser
+step sees the same micro-batches as one worker with `trainer.accumulate=W`. The count is made a
+multiple of W by splitting the largest batches, so every example is seen exactly once per epoch
+and every rank has the same number of batches (no rank waits forever at the epoch end).
+"""
+from typing import List, Optional
+
+import numpy as np
+
+
+class TokenBatchSampler:
+    def __init__(self, src_sizes: np.ndarray, tgt_sizes: np.ndarray, max_tokens: int,
+                 max_sentences: Optional[int] = None, seed: int = 0, rank: int = 0, world_size: int = 1,
+                 shuffle: bool = True):
+        """`*_sizes` are padded lengths (special tokens included). A batch of n pairs costs
+        n * max(longest source, longest target) tokens, which must stay <= max_tokens."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world size {world_size}")
+        self.src_sizes = np.asarray(src_sizes, dtype=np.int64)
+        self.tgt_sizes = np.asarray(tgt_sizes, dtype=np.int64)
+        self.max_tokens, self.max_sentences = max_tokens, max_sentences or len(self.src_sizes)
+        self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
+        self._cache: tuple = (None, None)
+        longest = int(np.maximum(self.src_sizes, self.tgt_sizes).max(initial=0))
+        if longest > max_tokens:
+            raise ValueError(f"data.max_tokens={max_tokens} is smaller than the longest example ({longest} tokens): "
+                             "raise data.max_tokens or lower data.max_len")
+        if len(self.src_sizes) < world_size:
+            raise ValueError(f"{len(self.src_sizes)} examples cannot be shared by {world_size} workers")
+
+    def epoch_batches(self, epoch: int) -> List[np.ndarray]:
+        """All ranks' batches of `epoch`, in the order they are consumed."""
+        if self._cache[0] == epoch:
+            return self._cache[1]
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.src_sizes)) if self.shuffle else np.arange(len(self.src_sizes))
+        # Sort by the batch cost's own length, max(source, target), then target, then source, so a batch
+        # holds similar lengths on both sides; the permutation breaks the remaining ties at random. On
+        # Multi30k this pads 3.7% of tokens, against 6.1% for a (target, source) sort (benchmarks/bench_data.py).
+        size = np.maximum(self.src_sizes, self.tgt_sizes)
+        order = order[np.lexsort((self.src_sizes[order], self.tgt_sizes[order], size[order]))]
+        size = size[order].tolist()  # non-decreasing: the last example of a batch is its longest
+        batches, start = [], 0
+        for i, longest in enumerate(size):
+            n = i - start + 1
+            if n > self.max_sentences or n * longest > self.max_tokens:
+                batches.append(order[start:i])
+                start = i
+        if start < len(order):
+            batches.append(order[start:])
+        batches = self._split_to_multiple(batches)
+        if self.shuffle:
+            batches = [batches[j] for j in rng.permutation(len(batches))]
+        self._cache = (epoch, batches)
+        return batches
+
+    def _split_to_multiple(self, batches: List[np.ndarray]) -> List[np.ndarray]:
+        while len(batches) % self.world_size:
+            j = max(range(len(batches)), key=lambda k: len(batches[k]))
+            b = batches[j]
+            if len(b) < 2:
+                raise ValueError(f"cannot split {len(batches)} batches evenly across {self.world_size} workers")
+            batches[j:j + 1] = [b[:len(b) // 2], b[len(b) // 2:]]
+        return batches
+
+    def rank_batches(self, epoch: int, start: int = 0) -> List[np.ndarray]:
+        """This rank's batches of `epoch`, skipping the first `start` (resume mid-epoch)."""
+        return self.epoch_batches(epoch)[self.rank::self.world_size][start:]
+
+    def num_batches(self, epoch: int) -> int:
+        """Batches per rank in `epoch` (the same on every rank)."""
+        return len(self.epoch_batches(epoch)) // self.world_size

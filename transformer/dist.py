@@ -1,0 +1,146 @@
+"""Who this worker is, and the collectives the trainer needs. The one place that reads rank variables.
+
+Global rank (`rank`, 0..world_size-1 across all nodes) decides who writes files; local rank
+(`local_rank`, 0..nproc_per_node-1 on this node) decides which GPU this worker uses. They are
+never interchangeable.
+"""
+import datetime
+import functools
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional
+
+import torch
+import torch.distributed as torch_dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            torch_dist.barrier()
+
+    def all_reduce_sum(self, values: List[float]) -> List[float]:
+        """Sums a few numbers over ranks (fp64, so token counts stay exact)."""
+        if not self.distributed:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
+        torch_dist.all_reduce(t)
+        return t.tolist()
+
+    def all_reduce_max(self, values: List[float]) -> List[float]:
+        if not self.distributed:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        torch_dist.broadcast_object_list(box, src=0, device=self._comm_device())
+        return box[0]
+
+    def gather_objects(self, obj: Any) -> Optional[List[Any]]:
+        """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size if self.is_main else None
+        torch_dist.gather_object(obj, out, dst=0)
+        return out
+
+    def _comm_device(self) -> torch.device:
+        # NCCL only moves CUDA tensors; gloo only CPU ones.
+        return self.device if torch_dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+_ENV = DistEnv()
+
+
+def get_env() -> DistEnv:
+    return _ENV
+
+
+def rank_zero(fn: Callable) -> Callable:
+    """Runs `fn` on global rank 0 only (returns None elsewhere). Every file, log line, metric,
+    TensorBoard event and checkpoint write of the trainer goes through a function wrapped in this."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _ENV.rank == 0:
+            return fn(*args, **kwargs)
+        return None
+
+    return wrapper
+
+
+def torchrun_env() -> Optional[dict]:
+    """RANK/LOCAL_RANK/WORLD_SIZE set by torchrun (or srun + torchrun), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return {"rank": int(os.environ["RANK"]), "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+                "world_size": int(os.environ["WORLD_SIZE"])}
+    return None
+
+
+def resolve_device(accelerator: str, local_rank: int) -> torch.device:
+    if accelerator == "gpu" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.accelerator=gpu but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    if accelerator == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise RuntimeError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} are visible")
+    return torch.device("cuda", local_rank)
+
+
+def init(rank: int, local_rank: int, world_size: int, accelerator: str, timeout_s: int,
+         store: Optional[torch_dist.Store] = None) -> DistEnv:
+    """Joins the process group (when world_size > 1) and records this worker's identity.
+
+    The spawn path passes the parent's `store`. Under torchrun, env:// reads MASTER_ADDR/MASTER_PORT;
+    with torchrun's shared agent store torch already prefixes keys per restart attempt, and the
+    launch scripts set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so every attempt gets a fresh store.
+    """
+    global _ENV
+    device = resolve_device(accelerator, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world_size > 1 and not torch_dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if store is not None:
+            torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            torch_dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                          timeout=timeout, device_id=device if device.type == "cuda" else None)
+    _ENV = DistEnv(rank, local_rank, world_size, device)
+    return _ENV
+
+
+def close() -> None:
+    global _ENV
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group()
+    _ENV = DistEnv()
+
+
+def free_port() -> int:
+    """A port the kernel just handed out on 127.0.0.1 (for the spawn path's store)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

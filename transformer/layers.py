@@ -1,0 +1,144 @@
+"""Building blocks of the Transformer (paper Section 3): attention, feed-forward, encoder and decoder layers."""
+import math
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class MultiHeadAttention(nn.Module):
+    """Section 3.2.2: h parallel scaled dot-product attentions over d_k = d_model / h dimensions.
+
+    Masks are boolean, True where a query may attend to a key, broadcastable to (B, h, T, S).
+    The fused `scaled_dot_product_attention` picks flash/memory-efficient kernels where it can.
+    With `store_attention = True` the weights are computed explicitly and kept in `last_attention`
+    (B, h, T, S) for plots.
+    """
+
+    def __init__(self, d_model: int, h: int, dropout: float):
+        super().__init__()
+        self.h, self.d_k = h, d_model // h
+        self.q_proj = nn.Linear(d_model, d_model)
+        # No key bias: it adds the same q.b to every score of a query, which softmax ignores. Its true
+        # gradient is zero, so Adam would only amplify rounding noise in it.
+        self.k_proj = nn.Linear(d_model, d_model, bias=False)
+        self.v_proj = nn.Linear(d_model, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+        self.dropout = dropout
+        self.store_attention = False
+        self.last_attention: Optional[torch.Tensor] = None
+
+    def split_heads(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        return x.view(B, T, self.h, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
+
+    def project_kv(self, x: torch.Tensor):
+        """Keys and values of `x` (B, S, d_model), each (B, h, S, d_k): computed once per source for cross-attention."""
+        return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
+
+    def forward(self, query: torch.Tensor, key_value: Optional[torch.Tensor] = None, mask=None,
+                is_causal: bool = False, kv: Optional[tuple] = None,
+                cache: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """query (B, T, d_model). Keys/values come from `key_value` (B, S, d_model), or precomputed `kv`.
+        `cache` (decoder self-attention while decoding) holds the keys/values of earlier positions and is
+        extended in place, so each new token costs one row of attention instead of the whole prefix."""
+        B, T, _ = query.shape
+        q = self.split_heads(self.q_proj(query))  # (B, h, T, d_k)
+        if kv is None:
+            kv = self.project_kv(query if key_value is None else key_value)
+        k, v = kv  # (B, h, S, d_k)
+        if cache is not None:
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+            if T > 1:  # several new positions at once: causal among themselves, all of the cache visible
+                S = k.size(2)
+                mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+            is_causal = False  # one new query may see every cached key
+        p = self.dropout if self.training else 0.0
+        if self.store_attention:
+            out = self._explicit_attention(q, k, v, mask, is_causal)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
+        out = out.transpose(1, 2).reshape(B, T, self.h * self.d_k)  # (B, T, d_model)
+        return self.out_proj(out)
+
+    def _explicit_attention(self, q, k, v, mask, is_causal):
+        """softmax(Q K^T / sqrt(d_k)) V, Equation (1), keeping the weights (no dropout: used at inference)."""
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)  # (B, h, T, S)
+        if is_causal:
+            T, S = scores.shape[-2:]
+            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = scores.softmax(dim=-1)
+        self.last_attention = weights.detach()
+        return weights @ v
+
+
+class FeedForward(nn.Module):
+    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(self.dropout(F.relu(self.w1(x))))
+
+
+class SublayerConnection(nn.Module):
+    """Residual connection around a sublayer with dropout (Section 5.4) and layer norm.
+
+    Post-norm (the paper): LayerNorm(x + Dropout(Sublayer(x))).
+    Pre-norm (Annotated Transformer, easier to train deep): x + Dropout(Sublayer(LayerNorm(x))).
+    """
+
+    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+        super().__init__()
+        self.norm = nn.LayerNorm(d_model)
+        self.dropout = nn.Dropout(dropout)
+        self.norm_first = norm_first
+
+    def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+        if self.norm_first:
+            return x + self.dropout(sublayer(self.norm(x)))
+        return self.norm(x + self.dropout(sublayer(x)))
+
+
+class EncoderLayer(nn.Module):
+    """Section 3.1: self-attention, then a position-wise feed-forward network."""
+
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, h, dropout)
+        self.ff = FeedForward(d_model, d_ff, dropout)
+        self.sub1 = SublayerConnection(d_model, dropout, norm_first)
+        self.sub2 = SublayerConnection(d_model, dropout, norm_first)
+
+    def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
+        x = self.sub1(x, lambda y: self.self_attn(y, mask=src_mask))
+        return self.sub2(x, self.ff)
+
+
+class DecoderLayer(nn.Module):
+    """Section 3.1: masked self-attention, attention over the encoder output, feed-forward."""
+
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool):
+        super().__init__()
+        self.self_attn = MultiHeadAttention(d_model, h, dropout)
+        self.cross_attn = MultiHeadAttention(d_model, h, dropout)
+        self.ff = FeedForward(d_model, d_ff, dropout)
+        self.sub1 = SublayerConnection(d_model, dropout, norm_first)
+        self.sub2 = SublayerConnection(d_model, dropout, norm_first)
+        self.sub3 = SublayerConnection(d_model, dropout, norm_first)
+
+    def forward(self, x: torch.Tensor, memory_kv: tuple, src_mask: torch.Tensor,
+                cache: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        # Right padding: a real target position never sees a pad position under the causal mask,
+        # so the causal mask alone suffices (and lets SDPA use its fused causal kernels).
+        x = self.sub1(x, lambda y: self.self_attn(y, is_causal=True, cache=cache))
+        x = self.sub2(x, lambda y: self.cross_attn(y, kv=memory_kv, mask=src_mask))
+        return self.sub3(x, self.ff)

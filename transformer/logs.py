@@ -1,0 +1,139 @@
+"""Rank-aware console logging, and the metrics sinks: metrics.jsonl, TensorBoard and the console line.
+
+Rank 0 logs INFO and up to the console and to <run_dir>/train.log. Other ranks log only warnings
+and errors, prefixed with their global rank, so problems on any worker still reach the console.
+"""
+import json
+import logging
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from transformer.dist import get_env, rank_zero
+
+log = logging.getLogger("transformer")
+
+
+def setup_logging(run_dir: Optional[Path]) -> None:
+    env = get_env()
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    fmt = "[%(asctime)s] %(message)s" if env.is_main else f"[rank {env.rank}] %(levelname)s %(name)s: %(message)s"
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(fmt, "%H:%M:%S"))
+    root.addHandler(console)
+    root.setLevel(logging.INFO if env.is_main else logging.WARNING)
+    if env.is_main and run_dir is not None:
+        _add_file_handler(root, Path(run_dir) / "train.log")
+
+
+@rank_zero
+def _add_file_handler(root: logging.Logger, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fh = logging.FileHandler(path)
+    fh.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    root.addHandler(fh)
+
+
+def gpu_stats(device: torch.device) -> dict:
+    """Peak memory from the caching allocator, utilisation from NVML (nvidia-ml-py)."""
+    if device.type != "cuda":
+        return {}
+    stats = {"gpu_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30}
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        stats["gpu_util"] = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+    except Exception:  # NVML missing in some containers: memory alone is still worth logging
+        pass
+    return stats
+
+
+class MetricsLogger:
+    """Rank 0 writes every event to metrics.jsonl (one JSON object a line) and TensorBoard; others do nothing."""
+
+    def __init__(self, run_dir: Optional[Path], tensorboard: bool = True):
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.file = None
+        self.writer = None
+        self.start = time.time()
+        self._open(tensorboard)
+
+    @rank_zero
+    def _open(self, tensorboard: bool) -> None:
+        if self.run_dir is None:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    @rank_zero
+    def log(self, split: str, step: int, epoch: int, **values) -> None:
+        record = {"split": split, "step": step, "epoch": epoch, "elapsed_s": round(time.time() - self.start, 3)}
+        record.update({k: (float(v) if isinstance(v, (float, int)) and not isinstance(v, bool) else v)
+                       for k, v in values.items()})
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            os.fsync(self.file.fileno())
+        if self.writer is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.writer.add_scalar(f"{split}/{k}", v, step)
+        shown = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
+        log.info("%s step %d epoch %d | %s", split, step, epoch, shown)
+
+    @rank_zero
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+class Progress:
+    """A tqdm bar on rank 0 (step, loss, lr, tokens/s, ETA); nothing on other ranks."""
+
+    def __init__(self, total: Optional[int], initial: int, enabled: bool):
+        self.bar = None
+        self._open(total, initial, enabled)
+
+    @rank_zero
+    def _open(self, total, initial, enabled) -> None:
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, mininterval=1.0,
+                            file=sys.stderr, disable=None)
+
+    @rank_zero
+    def update(self, **postfix) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix({k: _fmt(v) for k, v in postfix.items()}, refresh=False)
+            self.bar.update(1)
+
+    @rank_zero
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

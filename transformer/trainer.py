@@ -1,0 +1,309 @@
+"""The trainer: one instance per worker, the same code for 1 CPU process and N distributed GPUs.
+
+Its `state_dict()` is the checkpoint: model, optimiser, schedule, grad scaler, step, epoch, position
+in the epoch's batch list, best metric, and the RNG state of every rank. Restoring it continues
+the run exactly where it stopped.
+"""
+import contextlib
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from transformer import scoring
+from transformer.checkpoint import FORMAT, Checkpointer, CheckpointError
+from transformer.config import ConfigError, to_container
+from transformer.data.batch import PAD
+from transformer.dist import DistEnv, rank_zero
+from transformer.logs import MetricsLogger, Progress, gpu_stats
+from transformer.loss import label_smoothed_cross_entropy
+from transformer.optim import build_optimizer
+
+log = logging.getLogger(__name__)
+
+PREEMPTED_EXIT_CODE = 3  # a signal asked us to stop; a checkpoint was written; rerun the same command to resume
+HIGHER_IS_BETTER = {"val_loss": False, "val_bleu": True, "val_accuracy": True}
+
+
+def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
+    if device.type != "cuda" or precision == "fp32":
+        return None
+    if precision == "auto":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+class Trainer:
+    def __init__(self, cfg, env: DistEnv, model: torch.nn.Module, data, run_dir: Optional[Path]):
+        self.cfg, self.env, self.data, self.run_dir = cfg, env, data, run_dir
+        self.tcfg = cfg.trainer
+        self.model = model.to(env.device)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
+        self.amp_dtype = autocast_dtype(self.tcfg.precision, env.device)
+        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
+        # No unused-parameter search (every parameter gets a gradient); gradients live in DDP's buckets.
+        self.net = (DDP(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                        gradient_as_bucket_view=True) if env.distributed else self.model)
+        if self.tcfg.compile:
+            self.net = torch.compile(self.net)
+        self.step = self.epoch = self.batch_index = 0
+        self.best: Optional[float] = None
+        self.bad_validations = 0
+        self.stop_signal: Optional[int] = None
+        self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
+        self.metric = cfg.checkpoint.best_metric
+        self._check_metric()
+        self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
+        self.metrics = MetricsLogger(run_dir)
+
+    def _check_metric(self) -> None:
+        allowed = ["val_loss", "val_accuracy"] if self.data.task == "copy" else ["val_loss"]
+        if self.data.task != "copy" and self.cfg.eval.bleu:
+            allowed.append("val_bleu")
+        if self.metric not in allowed:
+            raise ConfigError(f"checkpoint.best_metric={self.metric!r}: this run only measures {', '.join(allowed)}")
+
+    # ---- state -------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Collective (every rank must call it): RNG states of all ranks are gathered to rank 0."""
+        rng = {"cpu": torch.get_rng_state()}
+        if self.env.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(self.env.device)
+        rngs = self.env.gather_objects(rng)
+        return {
+            "format": FORMAT,
+            "model_args": self.model.args,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "trainer": {"step": self.step, "epoch": self.epoch, "batch_index": self.batch_index,
+                        "best": self.best, "bad_validations": self.bad_validations,
+                        "world_size": self.env.world_size, "metric": self.metric},
+            "rng": rngs,
+            "tokenizer": self.data.tokenizer.state_dict(),
+            "config": to_container(self.cfg),
+        }
+
+    def load_state_dict(self, ckpt: dict, path: str = "checkpoint") -> None:
+        t = ckpt["trainer"]
+        if t["world_size"] != self.env.world_size:
+            raise CheckpointError(
+                f"{path} was written by {t['world_size']} workers but this run has {self.env.world_size}: the batch "
+                "order depends on the worker count, so an exact resume is impossible. Rerun with the same number "
+                "of workers, or start a new run from its weights with trainer.init_from=PATH")
+        self.load_weights(ckpt, path)
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.scheduler.load_state_dict(ckpt["scheduler"])
+        self.scaler.load_state_dict(ckpt["scaler"])
+        self.step, self.epoch, self.batch_index = t["step"], t["epoch"], t["batch_index"]
+        self.best, self.bad_validations = t["best"], t["bad_validations"]
+        rng = ckpt["rng"][self.env.rank]
+        torch.set_rng_state(rng["cpu"])
+        if "cuda" in rng and self.env.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"], self.env.device)
+
+    def load_weights(self, ckpt: dict, path: str) -> None:
+        if ckpt["model_args"] != self.model.args:
+            diff = {k: (ckpt["model_args"].get(k), v) for k, v in self.model.args.items()
+                    if ckpt["model_args"].get(k) != v}
+            raise CheckpointError(f"{path} holds another model (checkpoint vs config: {diff})")
+        self.model.load_state_dict(ckpt["model"])
+
+    # ---- training ----------------------------------------------------------------------------------
+    def train(self) -> int:
+        """Runs until max_steps/max_epochs, early stop or a stop signal. Returns the process exit code."""
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        progress = Progress(self.tcfg.max_steps, self.step, self.tcfg.progress)
+        try:
+            code = self._loop(progress)
+        finally:
+            progress.close()
+            for s, h in old.items():
+                signal.signal(s, h)
+        if code == 0:
+            self.final_eval()
+        return code
+
+    def _on_signal(self, signum, frame) -> None:
+        log.warning("received %s: finishing this step, then checkpointing", signal.Signals(signum).name)
+        self.stop_signal = signum
+
+    def _done(self) -> bool:
+        t = self.tcfg
+        return ((t.max_steps is not None and self.step >= t.max_steps)
+                or (t.max_epochs is not None and self.epoch >= t.max_epochs))
+
+    def _loop(self, progress: Progress) -> int:
+        K = self.tcfg.accumulate
+        window = {"tokens": 0.0, "loss": 0.0, "nll": 0.0, "time": time.time()}
+        while not self._done():
+            n = self.data.num_train_batches(self.epoch)
+            with self._rng_untouched():  # a DataLoader iterator draws its seed from the global RNG
+                batches = iter(self.data.train_loader(self.epoch, start=self.batch_index))
+            while self.batch_index < n and not self._done():
+                micro = [next(batches) for _ in range(min(K, n - self.batch_index))]
+                tokens, loss, nll, stop, grad_norm = self._optimizer_step(micro)
+                self.batch_index += len(micro)
+                self.step += 1
+                for key, v in (("tokens", tokens), ("loss", loss), ("nll", nll)):
+                    window[key] += v
+                progress.update(loss=loss / max(tokens, 1), lr=self.scheduler.lr())
+                if self.step % self.tcfg.log_every == 0:
+                    self._log_train(window, grad_norm)
+                if stop:
+                    self.save(is_best=False)
+                    log.warning("stopped by a signal at step %d; checkpoint written, exit code %d",
+                                self.step, PREEMPTED_EXIT_CODE)
+                    return PREEMPTED_EXIT_CODE
+                validated = is_best = False
+                if self.step % self.tcfg.val_every == 0:
+                    validated, is_best = True, self._validate_once()
+                if self.step % self.cfg.checkpoint.every_steps == 0:
+                    self.save(is_best)
+                if validated and self._patience_over():
+                    return 0
+            if self.batch_index >= n:  # epoch complete (not cut short by max_steps)
+                self.epoch, self.batch_index = self.epoch + 1, 0
+                is_best = self._validate_once()
+                self.save(is_best)
+                if self._patience_over():
+                    return 0
+        if not self._last_saved_is_current():  # stopped by max_steps mid-epoch
+            self.save(self._validate_once())
+        return 0
+
+    def _rng_untouched(self):
+        """Runs a block on a copy of the RNG state. Training draws (dropout masks) must depend only on the
+        optimiser steps taken, not on when loader iterators were created or how often we validated:
+        a resumed run creates its iterator mid-epoch and validates at its cut, an uninterrupted one
+        does neither, and both must still end bit-identical."""
+        return torch.random.fork_rng(devices=[self.env.device] if self.env.device.type == "cuda" else [])
+
+    def _optimizer_step(self, micro):
+        """Forward/backward over K micro-batches, one gradient sync, one update. Loss is normalised by the
+        target tokens of all micro-batches on all ranks, so the update equals one big batch's."""
+        self.net.train()
+        loss_sum = torch.zeros((), device=self.env.device)
+        nll_sum = torch.zeros((), device=self.env.device)
+        tokens = 0
+        for i, batch in enumerate(micro):
+            batch = batch.to(self.env.device)
+            tokens += batch.n_tokens
+            last = i == len(micro) - 1
+            sync = self.net.no_sync() if (self.env.distributed and not last) else contextlib.nullcontext()
+            amp = (torch.autocast(self.env.device.type, dtype=self.amp_dtype) if self.amp_dtype
+                   else contextlib.nullcontext())
+            with sync:
+                with amp:
+                    logits = self.net(batch.src, batch.tgt_in)  # (B, T, V)
+                loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD)
+                self.scaler.scale(loss).backward()
+            loss_sum += loss.detach()
+            nll_sum += nll.detach()
+        stop = float(self.stop_signal is not None)
+        total_tokens, loss_total, nll_total, stop = self.env.all_reduce_sum(
+            [tokens, loss_sum.item(), nll_sum.item(), stop])
+        self.scaler.unscale_(self.optimizer)
+        # DDP averaged the ranks' gradients of summed losses; turn that into the gradient of the mean over tokens.
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, self.env.world_size / max(total_tokens, 1.0))
+        grad_norm = None
+        if self.tcfg.clip_norm is not None:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm))
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return total_tokens, loss_total, nll_total, stop > 0, grad_norm
+
+    def _log_train(self, window: dict, grad_norm: Optional[float]) -> None:
+        elapsed = time.time() - window["time"]
+        tokens = max(window["tokens"], 1.0)
+        values = {"loss": window["loss"] / tokens, "nll": window["nll"] / tokens,
+                  "ppl": math.exp(min(window["nll"] / tokens, 50)), "lr": self.scheduler.lr(),
+                  "tokens_per_s": window["tokens"] / max(elapsed, 1e-9)}
+        if grad_norm is not None:
+            values["grad_norm"] = grad_norm
+        values.update(gpu_stats(self.env.device))
+        self.metrics.log("train", self.step, self.epoch, **values)
+        window.update(tokens=0.0, loss=0.0, nll=0.0, time=time.time())
+
+    # ---- validation and checkpoints ------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate_loss(self, loader) -> dict:
+        self.model.eval()
+        loss = nll = tokens = 0.0
+        for batch in loader:
+            batch = batch.to(self.env.device)
+            amp = (torch.autocast(self.env.device.type, dtype=self.amp_dtype) if self.amp_dtype
+                   else contextlib.nullcontext())
+            with amp:
+                logits = self.model(batch.src, batch.tgt_in)
+            l, n = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD)
+            loss, nll, tokens = loss + l.item(), nll + n.item(), tokens + batch.n_tokens
+        loss, nll, tokens = self.env.all_reduce_sum([loss, nll, tokens])
+        tokens = max(tokens, 1.0)
+        return {"val_loss": loss / tokens, "val_nll": nll / tokens, "val_ppl": math.exp(min(nll / tokens, 50))}
+
+    def _validate_once(self) -> bool:
+        """validate(), unless this step was validated already (an epoch or the run ending on a val_every
+        step): a second, equal score would count as "not improved" and could trip early stopping."""
+        if self._last_val is None or self._last_val[0] != self.step:
+            self._last_val = (self.step, self.validate())
+        return self._last_val[1]
+
+    def validate(self) -> bool:
+        """Loss (summed over all ranks' tokens) and a decoding score; returns whether this is the best so far."""
+        with self._rng_untouched():
+            values = self.evaluate_loss(self.data.valid_loader())
+            if self.data.task == "copy":
+                values["val_accuracy"] = scoring.copy_accuracy(self.model, self.data.valid, self.env, self.env.device)
+            elif self.cfg.eval.bleu:
+                values.update(scoring.valid_bleu(self.model, self.data, self.env, self.cfg.eval, self.env.device))
+        self.metrics.log("valid", self.step, self.epoch, **values)
+        score = values[self.metric]
+        better = self.best is None or (score > self.best if HIGHER_IS_BETTER[self.metric] else score < self.best)
+        if better:
+            self.best, self.bad_validations = score, 0
+        else:
+            self.bad_validations += 1
+        return better
+
+    def _patience_over(self) -> bool:
+        patience = self.cfg.eval.patience
+        if patience is not None and self.bad_validations >= patience:
+            log.info("early stop: %s has not improved for %d validations (best %.4g)",
+                     self.metric, self.bad_validations, self.best)
+            return True
+        return False
+
+    def _last_saved_is_current(self) -> bool:
+        files = self.checkpointer.step_files() if self.checkpointer is not None else []
+        return self.env.broadcast_object(bool(files) and files[0][0] == self.step)
+
+    def save(self, is_best: bool) -> None:
+        state = self.state_dict()  # collective
+        self._write(state, is_best)
+        self.env.barrier()  # nobody runs ahead (or exits) before the file is on disk
+
+    @rank_zero
+    def _write(self, state: dict, is_best: bool) -> None:
+        if self.checkpointer is not None:
+            path = self.checkpointer.save(state, self.step, is_best)
+            log.info("checkpoint %s%s", path, " (best)" if is_best else "")
+
+    def final_eval(self) -> None:
+        """Copy task: exact-match accuracy of greedy decoding on fresh sequences (the test split)."""
+        if self.data.task == "copy":
+            acc = scoring.copy_accuracy(self.model, self.data.test, self.env, self.env.device)
+            self.metrics.log("test", self.step, self.epoch, test_accuracy=acc)
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.data.close()
