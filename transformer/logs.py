@@ -36,7 +36,7 @@ def setup_logging(run_dir: Optional[Path]) -> None:
 @rank_zero
 def _add_file_handler(root: logging.Logger, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fh = logging.FileHandler(path)
+    fh = logging.FileHandler(path, delay=True)  # created by the first line logged
     fh.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     root.addHandler(fh)
 
@@ -66,21 +66,21 @@ class MetricsLogger:
         self.file = None
         self.writer = None
         self.start = time.time()
-        self._open(tensorboard)
+        self.tensorboard = tensorboard
 
-    @rank_zero
-    def _open(self, tensorboard: bool) -> None:
-        if self.run_dir is None:
-            return
+    def _open(self) -> None:
+        """On the first event, so a run that fails while starting leaves no empty metrics files."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(self.run_dir / "metrics.jsonl", "a", buffering=1)
-        if tensorboard:
+        if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     @rank_zero
     def log(self, split: str, step: int, epoch: int, **values) -> None:
+        if self.file is None and self.run_dir is not None:
+            self._open()
         record = {"split": split, "step": step, "epoch": epoch, "elapsed_s": round(time.time() - self.start, 3)}
         record.update({k: (float(v) if isinstance(v, (float, int)) and not isinstance(v, bool) else v)
                        for k, v in values.items()})

@@ -30,6 +30,8 @@ from transformer.logs import setup_logging
 from transformer.model import Transformer
 from transformer.trainer import PREEMPTED_EXIT_CODE, Trainer
 
+# HF tokenizers' thread pool does not survive DataLoader workers forking after encoding; it says so noisily.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 log = logging.getLogger("transformer")
 _RUN_NAME: Optional[str] = None
 
@@ -110,6 +112,7 @@ def _spawned(local_rank: int, world_size: int, cfg_dict: dict, run_dir: str, por
 
 def spawn(n: int, cfg_dict: dict, run_dir: Path) -> int:
     """Starts n workers on this machine; a failing worker brings the others down (no hang)."""
+    setup_logging(None)  # this parent's own errors go to stderr like rank 0's (Hydra's handler writes to stdout)
     # The parent hosts the rendezvous store on a port the kernel picks: no fixed port, no race for one.
     store = torch.distributed.TCPStore("127.0.0.1", 0, n + 1, is_master=True, wait_for_workers=False)
     ctx = mp.start_processes(_spawned, args=(n, cfg_dict, str(run_dir), store.port), nprocs=n, join=False,
@@ -132,7 +135,13 @@ def spawn(n: int, cfg_dict: dict, run_dir: Path) -> int:
                   "hydra.run.dir=%s to resume from its last checkpoint", e.error_index, _why(e), run_dir)
         return 1
     except mp.ProcessRaisedException as e:
-        last = str(e).strip().splitlines()[-1]
+        last = str(e).strip().splitlines()[-1]  # "module.ErrorClass: message" of the worker's traceback
+        name, _, message = last.partition(": ")
+        if name.rsplit(".", 1)[-1] in ("CheckpointError", "ConfigError", "ValueError"):
+            # Bad input, as main() reports it on one worker: one line, exit code 2, and no advice to
+            # rerun (the same command would fail the same way).
+            print(f"error: {message}", file=sys.stderr)
+            return 2
         log.error("worker %d failed: %s. Rerun with hydra.run.dir=%s to resume", e.error_index, last, run_dir)
         return 1
     return 0
@@ -162,6 +171,10 @@ def run(cfg: DictConfig) -> int:
     torchrun = dist.torchrun_env()
     try:
         validate(cfg)
+        for key in ("resume", "init_from"):
+            value = cfg.trainer[key]
+            if value not in (None, "auto", "none") and not Path(value).is_file():
+                raise ConfigError(f"trainer.{key}={value!r}: no such checkpoint file")
     except ConfigError as e:
         _remove_if_empty(run_dir)
         print(f"error: {e}", file=sys.stderr)
@@ -188,7 +201,14 @@ def _remove_if_empty(folder: Path) -> None:
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    code = run(cfg)
+    try:
+        code = run(cfg)
+    except (ValueError, CheckpointError, FileNotFoundError) as e:
+        # Bad input (config values, corpora, checkpoints): one line, not a traceback.
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
     if code:
         sys.exit(code)
 
@@ -200,11 +220,7 @@ def main() -> None:
     if rank is not None and rank["rank"] != 0:
         # Non-zero torchrun ranks still run Hydra (to compose the same config) but must write nothing.
         sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/hydra_logging=none"]
-    try:
-        _hydra_main()
-    except (CheckpointError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,13 @@
 """The synthetic copy task: the target is the source (Annotated Transformer, "A First Example")."""
 import numpy as np
 
-from transformer.data.batch import SPECIALS, PairDataset, Ragged
+from transformer.data.batch import BOS, EOS, PAD, SPECIALS, PairDataset, Ragged
 from transformer.data.module import DataModule
 
 
 class CopyTokenizer:
     """Symbols are their own ids, written as numbers."""
+    name = "copy"
     shared_vocab = True
 
     def __init__(self, vocab_size: int):
@@ -15,8 +16,32 @@ class CopyTokenizer:
     def encode_src(self, text: str) -> list:
         return [int(t) for t in text.split()]
 
+    encode_tgt = encode_src
+
+    def encode_src_batch(self, texts) -> list:
+        return [self.encode_src(t) for t in texts]
+
+    encode_tgt_batch = encode_src_batch
+
     def decode_tgt(self, ids) -> str:
-        return " ".join(str(int(i)) for i in ids)
+        """Stops at </s>; drops <pad> and <s>."""
+        out = []
+        for i in map(int, ids):
+            if i == EOS:
+                break
+            if i not in (PAD, BOS):
+                out.append(str(i))
+        return " ".join(out)
+
+    decode_src = decode_tgt
+
+    def tgt_tokens(self, ids) -> list:
+        return [SPECIALS[i] if i < len(SPECIALS) else str(i) for i in map(int, ids)]
+
+    src_tokens = tgt_tokens
+
+    def save(self, folder) -> None:
+        pass  # nothing to save: the vocabulary is the numbers themselves
 
     def state_dict(self) -> dict:
         return {"name": "copy", "vocab_size": self.src_vocab_size}

@@ -1,0 +1,122 @@
+"""TokenBatchSampler and collate: coverage, sharding, token budget, resumption, determinism."""
+import numpy as np
+import pytest
+import torch
+
+from transformer.data.batch import BOS, EOS, PAD, PairDataset, Ragged, collate
+from transformer.data.module import DataModule
+from transformer.data.sampler import TokenBatchSampler
+
+
+def _sizes(n=1000, seed=0):
+    rng = np.random.default_rng(seed)
+    src = rng.integers(2, 60, n)
+    tgt = np.clip(src + rng.integers(-8, 9, n), 2, 70)
+    return src, tgt
+
+
+def _cost(batch, src, tgt):
+    return len(batch) * int(max(src[batch].max(), tgt[batch].max()))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("max_sentences", [None, 7])
+def test_every_example_once_per_epoch_across_ranks(world_size, max_sentences):
+    src, tgt = _sizes()
+    samplers = [TokenBatchSampler(src, tgt, 500, max_sentences, seed=3, rank=r, world_size=world_size)
+                for r in range(world_size)]
+    for epoch in (0, 1):
+        per_rank = [s.rank_batches(epoch) for s in samplers]
+        assert len({len(b) for b in per_rank}) == 1  # equal batch counts: no rank waits at the epoch end
+        assert all(s.num_batches(epoch) == len(per_rank[0]) for s in samplers)
+        seen = np.concatenate([b for batches in per_rank for b in batches])
+        assert sorted(seen.tolist()) == list(range(len(src)))
+        for batches in per_rank:
+            for b in batches:
+                assert len(b) > 0 and _cost(b, src, tgt) <= 500
+                assert max_sentences is None or len(b) <= max_sentences
+
+
+def test_ranks_interleave_one_global_batch_list():
+    src, tgt = _sizes()
+    full = TokenBatchSampler(src, tgt, 400, seed=5, world_size=2).epoch_batches(0)
+    r0 = TokenBatchSampler(src, tgt, 400, seed=5, rank=0, world_size=2).rank_batches(0)
+    r1 = TokenBatchSampler(src, tgt, 400, seed=5, rank=1, world_size=2).rank_batches(0)
+    assert all(np.array_equal(a, b) for a, b in zip(full[0::2], r0))
+    assert all(np.array_equal(a, b) for a, b in zip(full[1::2], r1))
+
+
+def test_resume_yields_the_identical_remaining_batches():
+    src, tgt = _sizes()
+    for rank in (0, 1):
+        whole = TokenBatchSampler(src, tgt, 300, seed=1, rank=rank, world_size=2).rank_batches(4)
+        resumed = TokenBatchSampler(src, tgt, 300, seed=1, rank=rank, world_size=2).rank_batches(4, start=5)
+        assert len(resumed) == len(whole) - 5
+        assert all(np.array_equal(a, b) for a, b in zip(whole[5:], resumed))
+
+
+def test_deterministic_given_seed_epoch_world_size():
+    src, tgt = _sizes()
+
+    def batches(seed, epoch, world_size):
+        return [b.tolist() for b in TokenBatchSampler(src, tgt, 300, seed=seed, world_size=world_size).epoch_batches(epoch)]
+
+    assert batches(1, 2, 2) == batches(1, 2, 2)
+    assert batches(1, 2, 2) != batches(1, 3, 2)  # a new order every epoch
+    assert batches(1, 2, 2) != batches(2, 2, 2)
+
+
+def test_batches_group_similar_lengths():
+    src, tgt = _sizes(5000)
+    batches = TokenBatchSampler(src, tgt, 2000, seed=0).epoch_batches(0)
+    padded = sum(len(b) * (src[b].max() + tgt[b].max()) for b in batches)
+    assert 1 - (src.sum() + tgt.sum()) / padded < 0.2
+
+
+def test_validation_order_is_fixed():
+    src, tgt = _sizes()
+    s = TokenBatchSampler(src, tgt, 300, seed=1, shuffle=False)
+    assert [b.tolist() for b in s.epoch_batches(0)] == [b.tolist() for b in s.epoch_batches(7)]
+
+
+def test_errors():
+    src, tgt = _sizes(10)
+    with pytest.raises(ValueError, match="data.max_tokens=50 is smaller than the longest example"):
+        TokenBatchSampler(src, tgt + 60, 50)
+    with pytest.raises(ValueError, match="rank 2 is outside world size 2"):
+        TokenBatchSampler(src, tgt, 500, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="10 examples cannot be shared by 11 workers"):
+        TokenBatchSampler(src, tgt, 500, world_size=11)
+
+
+def test_collate_frames_source_and_target():
+    items = [(7, np.array([5, 6, 7], dtype=np.int32), np.array([8], dtype=np.int32)),
+             (2, np.array([9], dtype=np.int32), np.array([10, 11, 12], dtype=np.int32))]
+    b = collate(items)
+    assert b.src.tolist() == [[5, 6, 7, EOS], [9, EOS, PAD, PAD]]
+    assert b.tgt_in.tolist() == [[BOS, 8, PAD, PAD], [BOS, 10, 11, 12]]
+    assert b.tgt_out.tolist() == [[8, EOS, PAD, PAD], [10, 11, 12, EOS]]
+    assert b.ids.tolist() == [7, 2] and b.n_tokens == 6 and len(b) == 2
+
+
+class _Tok:
+    src_vocab_size = tgt_vocab_size = 20
+    shared_vocab = True
+
+
+def test_datamodule_loaders_cover_the_split_and_resume():
+    rng = np.random.default_rng(0)
+    seqs = Ragged.from_lists([rng.integers(4, 20, rng.integers(1, 12)).tolist() for _ in range(200)])
+    data = PairDataset(seqs, seqs)
+    dms = [DataModule(data, data, _Tok(), max_tokens=60, max_sentences=None, seed=0, rank=r, world_size=2)
+           for r in range(2)]
+    ids = [i for dm in dms for batch in dm.train_loader(1) for i in batch.ids.tolist()]
+    assert sorted(ids) == list(range(200))
+    whole = [batch.ids.tolist() for batch in dms[1].train_loader(1)]
+    assert [batch.ids.tolist() for batch in dms[1].train_loader(1, start=3)] == whole[3:]
+    assert len(whole) == dms[1].num_train_batches(1)
+    for batch in dms[0].train_loader(1):
+        assert batch.src.numel() <= 60 and batch.tgt_in.numel() <= 60
+        assert torch.equal((batch.src == EOS).sum(1), torch.ones(len(batch), dtype=torch.long))
+    valid = sorted(i for dm in dms for batch in dm.valid_loader() for i in batch.ids.tolist())
+    assert valid == list(range(200))

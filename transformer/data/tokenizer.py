@@ -1,0 +1,315 @@
+"""Tokenizers: word-level spaCy vocabularies (the Annotated Transformer's setup) and shared BPE (the paper's).
+
+Every vocabulary starts with the specials <pad> <unk> <s> </s> at ids 0, 1, 2, 3 (transformer/data/batch.py).
+Encoders add no specials: the collate function appends </s> to the source and frames the target.
+`state_dict()` holds primitives only, so a checkpoint alone rebuilds the tokenizer (`tokenizer_from_state`).
+"""
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+from transformer.data.batch import BOS, EOS, PAD, SPECIALS, UNK
+
+# Detokeniser flags of a spaCy vocabulary entry (see SpacyTokenizer).
+NO_SPACE_BEFORE, NO_SPACE_AFTER = 1, 2
+QUOTE = '"'  # ambiguous: opening or closing, decided by parity within the sentence
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _strip_specials(ids: Iterable[int]) -> List[int]:
+    """Ids up to the first </s>, without <pad> and <s> (the decoder's output may contain either)."""
+    out = []
+    for i in ids:
+        i = int(i)
+        if i == EOS:
+            break
+        if i not in (PAD, BOS):
+            out.append(i)
+    return out
+
+
+class Vocab:
+    """Token <-> id for one language, plus each token's detokeniser flags."""
+
+    def __init__(self, itos: Sequence[str], flags: Optional[Sequence[int]] = None):
+        if list(itos[:len(SPECIALS)]) != SPECIALS:
+            raise ValueError(f"a vocabulary must start with {SPECIALS}, got {list(itos[:len(SPECIALS)])}")
+        self.itos = list(itos)
+        self.stoi = {t: i for i, t in enumerate(self.itos)}
+        self.flags = list(flags) if flags is not None else [0] * len(self.itos)
+
+    def __len__(self) -> int:
+        return len(self.itos)
+
+    @classmethod
+    def build(cls, sentences: Iterable[Sequence[str]], spaces: Iterable[Sequence[bool]], min_freq: int,
+              max_size: Optional[int]) -> "Vocab":
+        """Words of the training sentences seen >= min_freq times, most frequent first (ties: by string).
+
+        `spaces[k][i]` says whether token i of sentence k was followed by whitespace in the raw text;
+        from it each kept word learns whether it usually glues to its left or right neighbour."""
+        counts, glue_left, left_seen, glue_right, right_seen = Counter(), Counter(), Counter(), Counter(), Counter()
+        sentences = [list(s) for s in sentences]
+        spaces = [list(s) for s in spaces]
+        for toks, sp in zip(sentences, spaces):
+            counts.update(toks)
+            for i in range(1, len(toks)):
+                if toks[i - 1] != QUOTE:  # a quote's side is decided by parity, so it says nothing about toks[i]
+                    left_seen[toks[i]] += 1
+                    glue_left[toks[i]] += not sp[i - 1]
+        left = {t for t in left_seen if 2 * glue_left[t] > left_seen[t]}
+        # Right-glue is only counted where the right neighbour is not itself a left-gluer, else every word
+        # that often precedes "." would learn to glue to whatever follows it.
+        for toks, sp in zip(sentences, spaces):
+            for i in range(len(toks) - 1):
+                if toks[i + 1] not in left and toks[i + 1] != QUOTE:
+                    right_seen[toks[i]] += 1
+                    glue_right[toks[i]] += not sp[i]
+        right = {t for t in right_seen if 2 * glue_right[t] > right_seen[t]}
+        words = sorted((t for t, c in counts.items() if c >= min_freq and t not in SPECIALS),
+                       key=lambda t: (-counts[t], t))
+        if max_size is not None:
+            words = words[:max(0, max_size - len(SPECIALS))]
+        itos = SPECIALS + words
+        flags = [0] * len(SPECIALS) + [NO_SPACE_BEFORE * (t in left) + NO_SPACE_AFTER * (t in right) for t in words]
+        return cls(itos, flags)
+
+    def encode(self, tokens: Sequence[str]) -> List[int]:
+        return [self.stoi.get(t, UNK) for t in tokens]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Joins tokens with one space unless the left one glues right or the right one glues left.
+        A straight double quote opens (glues right) on odd occurrences and closes (glues left) on even."""
+        out, prev_glues_right, quotes = [], True, 0
+        for i in ids:
+            tok = self.itos[i]
+            flag = self.flags[i]
+            if tok == QUOTE:
+                quotes += 1
+                flag = NO_SPACE_AFTER if quotes % 2 else NO_SPACE_BEFORE
+            if out and not prev_glues_right and not flag & NO_SPACE_BEFORE:
+                out.append(" ")
+            out.append(tok)
+            prev_glues_right = bool(flag & NO_SPACE_AFTER)
+        return "".join(out)
+
+
+class SpacyTokenizer:
+    """Rule-based spaCy tokenisation (`spacy.blank(lang)`, no model download), one vocabulary per language.
+
+    Detokenisation: ids carry no whitespace, so each vocabulary word stores two flags learnt from the
+    training text (whether it mostly follows its left neighbour without a space, e.g. "," "." "'s", and
+    whether it mostly precedes its right neighbour without one, e.g. "(" "„"); tokens are joined with one
+    space unless a flag says otherwise. Straight quotes alternate open/close. This reproduces about 99%
+    of Multi30k validation sentences exactly (benchmarks/bench_data.py measures it)."""
+
+    name = "spacy"
+    shared_vocab = False
+
+    def __init__(self, src_lang: str, tgt_lang: str, src_vocab: Vocab, tgt_vocab: Vocab, lowercase: bool = False):
+        self.src_lang, self.tgt_lang, self.lowercase = src_lang, tgt_lang, lowercase
+        self.src_vocab, self.tgt_vocab = src_vocab, tgt_vocab
+        self._nlp: Dict[str, object] = {}
+
+    @property
+    def src_vocab_size(self) -> int:
+        return len(self.src_vocab)
+
+    @property
+    def tgt_vocab_size(self) -> int:
+        return len(self.tgt_vocab)
+
+    def _tokenizer(self, lang: str):
+        if lang not in self._nlp:
+            import spacy
+            self._nlp[lang] = spacy.blank(lang).tokenizer
+        return self._nlp[lang]
+
+    def tokenize(self, texts: Sequence[str], lang: str, with_spaces: bool = False):
+        """Token strings of each text (spaCy's whitespace tokens dropped); with `with_spaces`, also whether
+        each token was followed by whitespace."""
+        toks, spaces = [], []
+        for doc in self._tokenizer(lang).pipe((t.lower() if self.lowercase else t for t in texts), batch_size=1000):
+            words = [t for t in doc if not t.is_space]
+            toks.append([t.text for t in words])
+            if with_spaces:
+                # A token followed by a whitespace token (double space, tab) is also followed by space.
+                spaces.append([bool(t.whitespace_) or (t.i + 1 < len(doc) and doc[t.i + 1].is_space) for t in words])
+        return (toks, spaces) if with_spaces else toks
+
+    @classmethod
+    def train(cls, src_texts: Sequence[str], tgt_texts: Sequence[str], src_lang: str, tgt_lang: str,
+              min_freq: int = 2, max_vocab: Optional[int] = None, lowercase: bool = False) -> "SpacyTokenizer":
+        """Builds both vocabularies from the training split only; returns the tokenizer with
+        `train_ids = (src_ids, tgt_ids)` of those texts attached, so they are tokenised just once."""
+        tok = cls(src_lang, tgt_lang, Vocab(SPECIALS), Vocab(SPECIALS), lowercase)
+        src_toks, src_sp = tok.tokenize(src_texts, src_lang, with_spaces=True)
+        tgt_toks, tgt_sp = tok.tokenize(tgt_texts, tgt_lang, with_spaces=True)
+        tok.src_vocab = Vocab.build(src_toks, src_sp, min_freq, max_vocab)
+        tok.tgt_vocab = Vocab.build(tgt_toks, tgt_sp, min_freq, max_vocab)
+        tok.train_ids = ([tok.src_vocab.encode(t) for t in src_toks], [tok.tgt_vocab.encode(t) for t in tgt_toks])
+        return tok
+
+    def encode_src(self, text: str) -> List[int]:
+        return self.src_vocab.encode(self.tokenize([text], self.src_lang)[0])
+
+    def encode_tgt(self, text: str) -> List[int]:
+        return self.tgt_vocab.encode(self.tokenize([text], self.tgt_lang)[0])
+
+    def encode_src_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self.src_vocab.encode(t) for t in self.tokenize(texts, self.src_lang)]
+
+    def encode_tgt_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self.tgt_vocab.encode(t) for t in self.tokenize(texts, self.tgt_lang)]
+
+    def decode_src(self, ids: Iterable[int]) -> str:
+        return self.src_vocab.detokenize(_strip_specials(ids))
+
+    def decode_tgt(self, ids: Iterable[int]) -> str:
+        return self.tgt_vocab.detokenize(_strip_specials(ids))
+
+    def src_tokens(self, ids: Iterable[int]) -> List[str]:
+        return [self.src_vocab.itos[int(i)] for i in ids]
+
+    def tgt_tokens(self, ids: Iterable[int]) -> List[str]:
+        return [self.tgt_vocab.itos[int(i)] for i in ids]
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "src_lang": self.src_lang, "tgt_lang": self.tgt_lang, "lowercase": self.lowercase,
+                "src_itos": list(self.src_vocab.itos), "src_flags": list(self.src_vocab.flags),
+                "tgt_itos": list(self.tgt_vocab.itos), "tgt_flags": list(self.tgt_vocab.flags)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "SpacyTokenizer":
+        return cls(state["src_lang"], state["tgt_lang"], Vocab(state["src_itos"], state["src_flags"]),
+                   Vocab(state["tgt_itos"], state["tgt_flags"]), state.get("lowercase", False))
+
+    def save(self, folder) -> None:
+        """vocab.SRC.txt / vocab.TGT.txt (line k = token of id k, a tab, its detokeniser flags) and tokenizer.json."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        for lang, vocab in ((self.src_lang, self.src_vocab), (self.tgt_lang, self.tgt_vocab)):
+            lines = [f"{t}\t{_flag_name(f)}" for t, f in zip(vocab.itos, vocab.flags)]
+            _atomic_write_text(folder / f"vocab.{lang}.txt", "\n".join(lines) + "\n")
+        _atomic_write_text(folder / "tokenizer.json", json.dumps(self.state_dict(), ensure_ascii=False) + "\n")
+
+
+def _flag_name(flag: int) -> str:
+    return {0: "-", NO_SPACE_BEFORE: "glue_left", NO_SPACE_AFTER: "glue_right"}.get(flag, "glue_both")
+
+
+class BpeTokenizer:
+    """One byte-pair-encoding vocabulary for both languages (Section 5.1 of the paper), HF `tokenizers`.
+
+    Pre-tokenisation: Metaspace (spaces become "▁" attached to the next piece) then Punctuation
+    splitting; the Metaspace decoder turns "▁" back into spaces, so decoding restores the original
+    spacing exactly for characters seen in training (others become <unk> and are dropped)."""
+
+    name = "bpe"
+    shared_vocab = True
+
+    def __init__(self, tok, src_lang: str = "", tgt_lang: str = ""):
+        self.tok, self.src_lang, self.tgt_lang = tok, src_lang, tgt_lang
+        for i, s in enumerate(SPECIALS):
+            if tok.token_to_id(s) != i:
+                raise ValueError(f"BPE vocabulary has {s} at id {tok.token_to_id(s)}, expected {i}")
+
+    @classmethod
+    def train(cls, texts: Sequence[str], vocab_size: int, min_freq: int = 2, lowercase: bool = False,
+              src_lang: str = "", tgt_lang: str = "") -> "BpeTokenizer":
+        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+        tok = Tokenizer(models.BPE(unk_token=SPECIALS[UNK]))
+        if lowercase:
+            tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Metaspace(), pre_tokenizers.Punctuation()])
+        tok.decoder = decoders.Metaspace()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_freq, special_tokens=list(SPECIALS),
+                                      show_progress=False)
+        tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+        return cls(tok, src_lang, tgt_lang)
+
+    @property
+    def src_vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    tgt_vocab_size = src_vocab_size
+
+    def encode_src_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
+
+    encode_tgt_batch = encode_src_batch
+
+    def encode_src(self, text: str) -> List[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    encode_tgt = encode_src
+
+    def decode_tgt(self, ids: Iterable[int]) -> str:
+        return self.tok.decode(_strip_specials(ids), skip_special_tokens=True)
+
+    decode_src = decode_tgt
+
+    def tgt_tokens(self, ids: Iterable[int]) -> List[str]:
+        return [self.tok.id_to_token(int(i)) for i in ids]
+
+    src_tokens = tgt_tokens
+
+    def state_dict(self) -> dict:
+        return {"name": self.name, "src_lang": self.src_lang, "tgt_lang": self.tgt_lang, "json": self.tok.to_str()}
+
+    @classmethod
+    def from_state(cls, state: dict) -> "BpeTokenizer":
+        from tokenizers import Tokenizer
+        return cls(Tokenizer.from_str(state["json"]), state.get("src_lang", ""), state.get("tgt_lang", ""))
+
+    def save(self, folder) -> None:
+        """tokenizer.json (Hugging Face format, loadable with `tokenizers.Tokenizer.from_file`) and vocab.txt."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        _atomic_write_text(folder / "tokenizer.json", self.tok.to_str(pretty=True) + "\n")
+        itos = [self.tok.id_to_token(i) for i in range(self.tok.get_vocab_size())]
+        _atomic_write_text(folder / "vocab.txt", "\n".join(itos) + "\n")
+
+
+def train_tokenizer(cfg_tok, src_lang: str, tgt_lang: str, src_texts: Sequence[str], tgt_texts: Sequence[str]):
+    """Trains the tokenizer `cfg_tok` (the `tokenizer` config group) on the training split only."""
+    if cfg_tok.name == "spacy":
+        if cfg_tok.min_freq < 1:
+            raise ValueError(f"tokenizer.min_freq={cfg_tok.min_freq}: must be >= 1")
+        return SpacyTokenizer.train(src_texts, tgt_texts, src_lang, tgt_lang, cfg_tok.min_freq, cfg_tok.max_vocab,
+                                    cfg_tok.lowercase)
+    if cfg_tok.name == "bpe":
+        if cfg_tok.vocab_size <= len(SPECIALS):
+            raise ValueError(f"tokenizer.vocab_size={cfg_tok.vocab_size}: must exceed the {len(SPECIALS)} specials")
+        return BpeTokenizer.train(list(src_texts) + list(tgt_texts), cfg_tok.vocab_size, max(cfg_tok.min_freq, 0),
+                                  cfg_tok.lowercase, src_lang, tgt_lang)
+    raise ValueError(f"tokenizer.name={cfg_tok.name!r}: must be spacy or bpe")
+
+
+def tokenizer_from_state(state: dict):
+    """Rebuilds a tokenizer from its `state_dict()` (e.g. the one stored in a checkpoint)."""
+    name = state.get("name")
+    if name == "spacy":
+        return SpacyTokenizer.from_state(state)
+    if name == "bpe":
+        return BpeTokenizer.from_state(state)
+    if name == "copy":
+        from transformer.data.copy import CopyTokenizer
+        return CopyTokenizer(int(state["vocab_size"]))
+    raise ValueError(f"unknown tokenizer state name={name!r}: expected spacy, bpe or copy")
+
+
+def encode_sources(tokenizer, texts: Sequence[str]) -> List[List[int]]:
+    """Ids (no specials) of raw source sentences, batched where the tokenizer can."""
+    batch = getattr(tokenizer, "encode_src_batch", None)
+    return batch(list(texts)) if batch else [tokenizer.encode_src(t) for t in texts]
