@@ -303,6 +303,20 @@ class Trainer:
         if self.data.task == "copy":
             acc = scoring.copy_accuracy(self.model, self.data.test, self.env, self.env.device)
             self.metrics.log("test", self.step, self.epoch, test_accuracy=acc)
+        self._log_figures()
+
+    @rank_zero
+    def _log_figures(self) -> None:
+        """Loss/score/rate curves and the attention maps of the first validation sentence, as TensorBoard images
+        (`transformer-plot RUN_DIR` draws the same as PNG files)."""
+        if self.metrics.writer is None:
+            return
+        from transformer.plots import log_figures
+
+        srcs = self.data.valid_srcs
+        sentence = srcs[0] if srcs else self.data.tokenizer.decode_src(self.data.valid[0][1])
+        log_figures(self.metrics.writer, run_dir=self.run_dir, cfg=to_container(self.cfg), model=self.model,
+                    tokenizer=self.data.tokenizer, sentence=sentence, step=self.step)
 
     def close(self) -> None:
         self.metrics.close()

@@ -88,10 +88,6 @@ class CacheEntry:
 
 
 def cache_folder(cache_dir: Optional[str], root: Path) -> Path:
-    """data.cache_dir; else <root>/cache where root is our download cache (it holds multi30k/); else the user's
-    cache dir: a data.root naming somebody's dataset folder is only read, never written into."""
-    if cache_dir:
-        return Path(cache_dir).expanduser()
-    if root == default_root() or (root / "multi30k").is_dir():
-        return root / "cache"
-    return default_root() / "cache"
+    """data.cache_dir, else the user's cache dir: a data.root naming a dataset folder is only read, never written
+    into (unless files are missing there and must be downloaded)."""
+    return Path(cache_dir).expanduser() if cache_dir else default_root() / "cache"

@@ -35,7 +35,7 @@ class DataConfig:
     max_len: int = 256  # tokens per side, after tokenisation
     bad_pairs: str = "skip"  # skip (logged count) | error (names the file and line): empty or over-length pairs
     num_workers: Optional[int] = None  # DataLoader workers; None = 2 on GPU, 0 on CPU
-    cache_dir: Optional[str] = None  # preprocessed ids, keyed by a hash of data + tokenizer config; None = <root>/cache
+    cache_dir: Optional[str] = None  # preprocessed ids, keyed by a hash of data + tokenizer config; None = <user cache dir>/transformer/cache
     copy: CopyConfig = field(default_factory=CopyConfig)
 
 

@@ -1,0 +1,160 @@
+"""transformer-evaluate (scores equal sacreBLEU's own API on the written files) and valid_bleu (the
+trainer's validation BLEU, also sharded over two gloo processes)."""
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import sacrebleu
+import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
+
+from test_decode import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
+from transformer.checkpoint import atomic_save
+from transformer.config import EvalConfig
+from transformer.data.copy import CopyTokenizer
+from transformer.dist import DistEnv, free_port
+from transformer.evaluate import main
+from transformer.scoring import valid_bleu
+
+MULTI30K = Path(__file__).resolve().parents[2] / "shared/data/multi30k"
+
+
+def write_pair(folder: Path, n: int, seed: int):
+    """PREFIX.de / PREFIX.en: copy-task sources and, as references, the sources with every 4th sentence
+    changed (so BLEU is well below 100)."""
+    srcs = [" ".join(str(t) for t in s) for _, s, _ in random_copy_items(n, seed=seed, min_len=4)]
+    refs = [s if i % 4 else s + " 5 5" for i, s in enumerate(srcs)]
+    (folder / "pairs.de").write_text("\n".join(srcs) + "\n", encoding="utf-8")
+    (folder / "pairs.en").write_text("\n".join(refs) + "\n", encoding="utf-8")
+    return folder / "pairs"
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("eval")
+    prefix = write_pair(folder, 40, seed=11)
+    ckpt = folder / "checkpoints" / "model.pt"
+    atomic_save(copy_checkpoint(name="files", files={"mytest": str(prefix)}), ckpt)
+    return folder, prefix, ckpt
+
+
+def test_src_ref_scores_equal_sacrebleu_on_the_written_files(setup, capsys):
+    folder, prefix, ckpt = setup
+    out = folder / "out_a"
+    assert main([str(ckpt), "--src", f"{prefix}.de", "--ref", f"{prefix}.en", "--beam", "2",
+                 "--out-dir", str(out)]) == 0
+    hyps = (out / "pairs.de.hyp").read_text(encoding="utf-8").split("\n")[:-1]
+    refs = Path(f"{prefix}.en").read_text(encoding="utf-8").split("\n")[:-1]
+    assert len(hyps) == len(refs) == 40
+    result = json.loads((out / "pairs.de.json").read_text())
+    assert result["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-9)
+    assert result["chrf"] == pytest.approx(sacrebleu.corpus_chrf(hyps, [refs]).score, abs=1e-9)
+    assert 0 < result["bleu"] < 100
+    assert result["bleu_signature"].startswith("nrefs:1|")
+    printed = capsys.readouterr().out
+    assert result["bleu_signature"] in printed and "BLEU = " in printed and "chrF2 = " in printed
+
+
+def test_split_from_the_checkpoint_data_config(setup):
+    folder, prefix, ckpt = setup
+    assert main([str(ckpt), "--split", "mytest", "--beam", "2"]) == 0  # default out dir: next to checkpoints/
+    assert main([str(ckpt), "--src", f"{prefix}.de", "--ref", f"{prefix}.en", "--beam", "2",
+                 "--out-dir", str(folder / "out_b")]) == 0
+    by_split = json.loads((folder / "eval" / "mytest.json").read_text())
+    by_files = json.loads((folder / "out_b" / "pairs.de.json").read_text())
+    hyps = (folder / "eval" / "mytest.hyp").read_text(encoding="utf-8").split("\n")[:-1]
+    refs = Path(f"{prefix}.en").read_text(encoding="utf-8").split("\n")[:-1]
+    assert by_split["bleu"] == pytest.approx(sacrebleu.corpus_bleu(hyps, [refs]).score, abs=1e-9)
+    assert by_split["bleu"] == by_files["bleu"] and by_split["split"] == "mytest"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--split", "nosuchsplit"], "--split nosuchsplit"),
+    (["--src", "{prefix}.de"], "--src and --ref go together"),
+    (["--src", "{prefix}.de", "--ref", "{short}"], "lines"),
+    ([], "give --split"),
+])
+def test_bad_input_is_one_line_and_nonzero(setup, argv, message, tmp_path, capsys):
+    folder, prefix, ckpt = setup
+    short = tmp_path / "short.en"
+    short.write_text("4 5\n", encoding="utf-8")
+    argv = [a.format(prefix=prefix, short=short) for a in argv]
+    assert main([str(ckpt), *argv, "--out-dir", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def fake_data(n: int):
+    srcs = [" ".join(str(t) for t in s) for _, s, _ in random_copy_items(n, seed=21, min_len=4)]
+    refs = [s if i % 3 else s + " 7" for i, s in enumerate(srcs)]
+    return SimpleNamespace(valid_srcs=srcs, valid_refs=refs, tokenizer=CopyTokenizer(VOCAB))
+
+
+def expected_scores(data, cfg, n):
+    from transformer.decode import translate_sentences
+    hyps = [h[0].text for h in translate_sentences(copy_model(), data.tokenizer, data.valid_srcs[:n], cfg, "cpu")]
+    refs = [data.valid_refs[:n]]
+    return sacrebleu.corpus_bleu(hyps, refs).score, sacrebleu.corpus_chrf(hyps, refs).score
+
+
+def test_valid_bleu_single_process():
+    data = fake_data(30)
+    cfg = EvalConfig(beam=2, bleu_sentences=20)
+    got = valid_bleu(copy_model(), data, DistEnv(), cfg, torch.device("cpu"))
+    bleu, chrf = expected_scores(data, cfg, 20)
+    assert got == {"val_bleu": pytest.approx(bleu), "val_chrf": pytest.approx(chrf)}
+    assert 0 < got["val_bleu"] < 100
+
+
+def _worker(rank: int, port: int, state_path: str, out_dir: str):
+    torch.set_num_threads(1)
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        from transformer.model import from_args
+        ckpt = torch.load(state_path, weights_only=True)
+        model = from_args(ckpt["model_args"])
+        model.load_state_dict(ckpt["model"])
+        got = valid_bleu(model, fake_data(25), DistEnv(rank, rank, 2), EvalConfig(beam=2), torch.device("cpu"))
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
+    finally:
+        torch_dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_valid_bleu_sharded_over_two_ranks_matches_one_process(tmp_path):
+    state = tmp_path / "model.pt"
+    torch.save(copy_checkpoint(), state)
+    mp.start_processes(_worker, args=(free_port(), str(state), str(tmp_path)), nprocs=2, start_method="spawn")
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1  # every rank returns rank 0's score
+    bleu, chrf = expected_scores(fake_data(25), EvalConfig(beam=2), 25)  # an odd count: uneven shards
+    assert r0["val_bleu"] == pytest.approx(bleu) and r0["val_chrf"] == pytest.approx(chrf)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not MULTI30K.is_dir(), reason="Multi30k files not found next to the repo")
+def test_multi30k_split_via_data_root(tmp_path, capsys):
+    """A spaCy-vocabulary model (untrained) evaluated on test_2016_flickr read through load_split."""
+    from transformer.data.corpus import read_lines
+    from transformer.data.tokenizer import SpacyTokenizer
+    from transformer.model import Transformer
+    from transformer.config import ModelConfig
+    from test_decode import full_config
+    from transformer.checkpoint import FORMAT
+
+    de = read_lines(MULTI30K / "train.de.gz")[:300]
+    en = read_lines(MULTI30K / "train.en.gz")[:300]
+    tok = SpacyTokenizer.train(de, en, "de", "en", min_freq=1)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.0), tok.src_vocab_size,
+                        tok.tgt_vocab_size)
+    ckpt = {"format": FORMAT, "model_args": model.args, "model": model.state_dict(), "tokenizer": tok.state_dict(),
+            "config": full_config(name="multi30k", root="/nonexistent"), "trainer": {"step": 0}}
+    atomic_save(ckpt, tmp_path / "m.pt")
+    rc = main([str(tmp_path / "m.pt"), "--split", "test_2016_flickr", "--data-root", str(MULTI30K.parent),
+               "--beam", "1", "--max-len-a", "0", "--max-len-b", "5", "--out-dir", str(tmp_path / "out")])
+    assert rc == 0, capsys.readouterr().err
+    assert len((tmp_path / "out" / "test_2016_flickr.hyp").read_text(encoding="utf-8").split("\n")) == 1001

@@ -1,0 +1,145 @@
+"""`transformer-evaluate CHECKPOINT`: translate test sets and score them with sacreBLEU (BLEU and chrF).
+
+    transformer-evaluate RUN/checkpoints/best.pt --split test_2016_flickr --data-root /data
+    transformer-evaluate best.pt --src test.de --ref test.en --beam 5 --out-dir results/
+
+Splits are read with the data settings stored in the checkpoint (`data.name`, languages, `data.files`),
+`--data-root` replacing `data.root`. For each split NAME, OUT_DIR/NAME.hyp holds the detokenised
+hypotheses (line k for source line k) and OUT_DIR/NAME.json the scores with sacreBLEU's signatures;
+OUT_DIR defaults to RUN/eval/ for a checkpoint under RUN/checkpoints/.
+"""
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional, Tuple
+
+from transformer.decode import translate_sentences
+from transformer.translate import (UsageError, add_decoding_args, eval_config, load, pick_device,
+                                   write_text_atomic)
+
+PROG = "transformer-evaluate"
+
+
+def score(hyps: List[str], refs: List[str]) -> dict:
+    """Corpus BLEU and chrF with sacreBLEU's defaults (13a tokenisation, exp smoothing; chrF2)."""
+    from sacrebleu.metrics import BLEU, CHRF
+
+    bleu, chrf = BLEU(), CHRF()
+    b, c = bleu.corpus_score(hyps, [refs]), chrf.corpus_score(hyps, [refs])
+    return {"bleu": b.score, "bleu_str": str(b), "bleu_signature": str(bleu.get_signature()),
+            "chrf": c.score, "chrf_str": str(c), "chrf_signature": str(chrf.get_signature())}
+
+
+def default_out_dir(checkpoint: Path) -> Path:
+    checkpoint = checkpoint.resolve()
+    if checkpoint.parent.name == "checkpoints":
+        return checkpoint.parent.parent / "eval"
+    return checkpoint.parent / "eval"
+
+
+def read_text(path: str, flag: str) -> List[str]:
+    from transformer.data.corpus import read_lines
+
+    if not Path(path).is_file():
+        raise UsageError(f"{flag} {path}: no such file")
+    try:
+        return read_lines(Path(path))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def data_config(ckpt: dict, data_root: Optional[str]):
+    """The checkpoint's full config (typed), with `data.root` replaced by --data-root."""
+    from transformer.config import from_container
+
+    saved = ckpt.get("config")
+    if not saved or "data" not in saved:
+        raise UsageError("the checkpoint carries no data config: use --src FILE --ref FILE")
+    try:
+        cfg = from_container(saved)
+    except Exception as e:  # a config from an incompatible version of the schema
+        raise UsageError(f"cannot read the checkpoint's config ({str(e).splitlines()[0]}): use --src/--ref") from None
+    if data_root is not None:
+        cfg.data.root = str(Path(data_root).expanduser())
+    return cfg
+
+
+def load_splits(args, ckpt: dict) -> List[Tuple[str, List[str], List[str]]]:
+    """(name, sources, references) of every requested split."""
+    if args.src or args.ref:
+        if not (args.src and args.ref):
+            raise UsageError("--src and --ref go together")
+        srcs, refs = read_text(args.src, "--src"), read_text(args.ref, "--ref")
+        if len(srcs) != len(refs):
+            raise UsageError(f"--src {args.src} has {len(srcs)} lines but --ref {args.ref} has {len(refs)}")
+        return [(Path(args.src).name, srcs, refs)]
+    from transformer.data.translation import load_split
+
+    cfg = data_config(ckpt, args.data_root)
+    out = []
+    for name in args.split:
+        try:
+            srcs, refs = load_split(cfg, name, progress=False)
+        except (ValueError, OSError) as e:
+            raise UsageError(f"--split {name}: {e}") from None
+        out.append((name, srcs, refs))
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="Translate test sets and score them with sacreBLEU.")
+    p.add_argument("checkpoint", help="checkpoint file (e.g. RUN_DIR/checkpoints/best.pt)")
+    p.add_argument("--split", action="append", default=[],
+                   help="split name of the checkpoint's dataset, e.g. test_2016_flickr (repeatable)")
+    p.add_argument("--src", help="source file, one sentence per line (instead of --split)")
+    p.add_argument("--ref", help="reference file aligned with --src")
+    p.add_argument("--data-root", help="replaces the checkpoint's data.root (where Multi30k lives)")
+    p.add_argument("--out-dir", help="where NAME.hyp and NAME.json go (default: RUN_DIR/eval)")
+    add_decoding_args(p)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if bool(args.split) == bool(args.src or args.ref):
+        raise UsageError("give --split NAME (repeatable) or --src FILE --ref FILE")
+    device = pick_device(args.device, args.threads)
+    model, tokenizer, ckpt = load(args.checkpoint, device)
+    cfg = eval_config(args, ckpt)
+    cfg.nbest = 1
+    splits = load_splits(args, ckpt)
+    out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(Path(args.checkpoint))
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out-dir {out_dir}: {e.strerror}") from None
+    for name, srcs, refs in splits:
+        start = time.perf_counter()
+        hyps = [n[0].text for n in translate_sentences(model, tokenizer, srcs, cfg, device)]
+        seconds = time.perf_counter() - start
+        result = {"split": name, "checkpoint": str(Path(args.checkpoint).resolve()),
+                  "step": (ckpt.get("trainer") or {}).get("step"), "sentences": len(srcs),
+                  **score(hyps, refs), "beam": cfg.beam, "lenpen": cfg.lenpen, "max_len_a": cfg.max_len_a,
+                  "max_len_b": cfg.max_len_b, "device": str(device), "seconds": round(seconds, 3),
+                  "sentences_per_s": round(len(srcs) / max(seconds, 1e-9), 2)}
+        write_text_atomic(out_dir / f"{name}.hyp", "".join(h + "\n" for h in hyps))
+        write_text_atomic(out_dir / f"{name}.json", json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+        print(f"{name}: {result['bleu_str']}  ({result['bleu_signature']})")
+        print(f"{name}: {result['chrf_str']}  ({result['chrf_signature']})")
+        print(f"{name}: {len(srcs)} sentences in {seconds:.1f}s, beam {cfg.beam}; hypotheses in "
+              f"{out_dir / (name + '.hyp')}, scores in {out_dir / (name + '.json')}")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
