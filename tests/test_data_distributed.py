@@ -32,5 +32,6 @@ def test_two_ranks_share_one_preprocessing(tmp_path):
     assert r0["state"] == r1["state"]
     assert r0["batches"] == r1["batches"] > 0
     assert sorted(r0["ids"] + r1["ids"]) == list(range(len(TRAIN_EN)))
-    assert len(list((tmp_path / "root" / "cache").iterdir())) == 1
+    from transformer.data.cache import cache_folder
+    assert len(list(cache_folder(cfg.data.cache_dir, tmp_path / "root").iterdir())) == 1
     assert (tmp_path / "run" / "tokenizer.json").exists()

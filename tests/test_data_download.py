@@ -146,6 +146,7 @@ def test_build_multi30k_downloads_once_then_runs_offline(tmp_path, monkeypatch):
     assert (len(dm.train), len(dm.valid)) == (6, 2)
     assert dm.valid_refs == ["A dog runs .", "A dog number runs ."]
     _no_network(monkeypatch)
-    shutil.rmtree(tmp_path / "root" / "cache")  # the raw files alone must suffice offline
+    from transformer.data.cache import cache_folder
+    shutil.rmtree(cache_folder(cfg.data.cache_dir, tmp_path / "root"))  # the raw files alone must suffice offline
     dm = build_translation_data(cfg, FakeEnv(), None)
     assert len(dm.train) == 6

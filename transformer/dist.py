@@ -6,6 +6,7 @@ never interchangeable.
 """
 import datetime
 import functools
+import logging
 import os
 import socket
 from dataclasses import dataclass
@@ -13,6 +14,8 @@ from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as torch_dist
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -112,9 +115,8 @@ def init(rank: int, local_rank: int, world_size: int, accelerator: str, timeout_
          store: Optional[torch_dist.Store] = None) -> DistEnv:
     """Joins the process group (when world_size > 1) and records this worker's identity.
 
-    The spawn path passes the parent's `store`. Under torchrun, env:// reads MASTER_ADDR/MASTER_PORT;
-    with torchrun's shared agent store torch already prefixes keys per restart attempt, and the
-    launch scripts set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so every attempt gets a fresh store.
+    The spawn path passes the parent's `store`. Under torchrun, env:// reads MASTER_ADDR/MASTER_PORT,
+    except where torchrun shares its agent's store across restart attempts (see `_attempt_store`).
     """
     global _ENV
     device = resolve_device(accelerator, local_rank)
@@ -123,13 +125,36 @@ def init(rank: int, local_rank: int, world_size: int, accelerator: str, timeout_
     if world_size > 1 and not torch_dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
+        device_id = device if device.type == "cuda" else None
+        if store is None:
+            store = _attempt_store(rank, world_size, timeout)
         if store is not None:
-            torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+            torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                          device_id=device_id)
         else:
             torch_dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                          timeout=timeout, device_id=device if device.type == "cuda" else None)
+                                          timeout=timeout, device_id=device_id)
     _ENV = DistEnv(rank, local_rank, world_size, device)
     return _ENV
+
+
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[torch_dist.Store]:
+    """torchrun's agent store outlives restart attempts, keys included (the default since torch 2.5), so
+    a restarted worker can read the address a dead one published and fail to connect ("Connection
+    refused" in connectFullMesh; pytorch/pytorch#135712). On one node the agent's restart count numbers
+    the attempts consistently, so each attempt gets its own key prefix. Across nodes the counts can
+    disagree; there TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (which launch/*.sh set) gives each attempt a
+    fresh store. Returns None where env:// is safe."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    if os.environ.get("LOCAL_WORLD_SIZE") != str(world_size):  # several nodes
+        if rank == 0 and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+            log.warning("torchrun --max-restarts across nodes with a shared rendezvous store: restarts may fail "
+                        "to connect; export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun (launch/*.sh do)")
+        return None
+    base = torch_dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                               is_master=False, timeout=timeout)
+    return torch_dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/", base)
 
 
 def close() -> None:

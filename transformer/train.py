@@ -34,6 +34,7 @@ from transformer.trainer import PREEMPTED_EXIT_CODE, Trainer
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 log = logging.getLogger("transformer")
 _RUN_NAME: Optional[str] = None
+JOIN_GRACE_S = 10.0  # spawn path: seconds the other workers get to exit after one has
 
 
 def run_name() -> str:
@@ -126,7 +127,10 @@ def spawn(n: int, cfg_dict: dict, run_dir: Path) -> int:
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, forward)
     try:
-        while not ctx.join():
+        # After the first worker exits non-zero, give the others a moment to exit on their own (on a stop
+        # signal rank 0 may still be closing its logs when rank 1 has exited with code 3) before
+        # SIGTERM, then SIGKILL.
+        while not ctx.join(grace_period=JOIN_GRACE_S):
             pass
     except mp.ProcessExitedException as e:
         if e.exit_code == PREEMPTED_EXIT_CODE:

@@ -1,0 +1,107 @@
+"""Resuming is exact: a run cut by `trainer.max_steps` and rerun in the same directory ends bit-identical
+(torch.equal on every tensor, optimiser moments and RNG states included) to one that never stopped, with
+dropout on so the restored RNG states matter. Also: a truncated newest checkpoint is skipped with a
+warning, and a checkpoint of another world size is refused with a clear message.
+
+Every test here trains through the real CLI, so they are slow; the 2-worker ones are also distributed.
+"""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.dist_helpers import assert_same_state, last_ckpt, step_files, train
+
+pytestmark = pytest.mark.slow
+
+DROPOUT = ("model.dropout=0.1",)
+# One worker: 6 steps an epoch (640 examples in 6 batches). Validating every 3 steps puts a validation on
+# the epoch boundary at step 6, where the trainer used to validate twice.
+ONE = (*DROPOUT, "trainer.max_steps=9", "trainer.val_every=3", "checkpoint.every_steps=100")
+# Two spawned workers: 3 steps an epoch.
+TWO = (*DROPOUT, "trainer.max_steps=7", "trainer.val_every=2", "checkpoint.every_steps=100",
+       "trainer.devices=2", "trainer.accelerator=cpu")
+
+
+@pytest.fixture(scope="module")
+def ref_one(tmp_path_factory) -> Path:
+    """The uninterrupted single-worker run."""
+    root = tmp_path_factory.mktemp("ref_one")
+    train(root / "run", *ONE, cwd=root)
+    return root / "run"
+
+
+@pytest.fixture(scope="module")
+def ref_two(tmp_path_factory) -> Path:
+    """The uninterrupted 2-worker run (spawn path)."""
+    root = tmp_path_factory.mktemp("ref_two")
+    train(root / "run", *TWO, cwd=root)
+    return root / "run"
+
+
+def resumed(tmp_path: Path, base: tuple, cut: int) -> Path:
+    run = tmp_path / "run"
+    train(run, *base, f"trainer.max_steps={cut}", cwd=tmp_path)
+    assert last_ckpt(run)["trainer"]["step"] == cut
+    res = train(run, *base, cwd=tmp_path)
+    assert f"resumed from {run / 'checkpoints'}" in res.stderr and f"at step {cut}" in res.stderr
+    return run
+
+
+@pytest.mark.parametrize("cut", [4, 6], ids=["mid_epoch", "epoch_boundary"])
+def test_resume_single_worker_is_bit_exact(tmp_path, ref_one, cut):
+    run = resumed(tmp_path, ONE, cut)
+    ref = last_ckpt(ref_one)
+    assert ref["trainer"]["step"] == 9 and ref["trainer"]["epoch"] == 1  # the run crossed an epoch boundary
+    assert_same_state(last_ckpt(run), ref)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("cut", [4, 3], ids=["mid_epoch", "epoch_boundary"])
+def test_resume_two_workers_is_bit_exact(tmp_path, ref_two, cut):
+    run = resumed(tmp_path, TWO, cut)
+    ref = last_ckpt(ref_two)
+    assert len(ref["rng"]) == 2 and not all(ref["rng"][0]["cpu"].equal(r["cpu"]) for r in ref["rng"][1:])
+    assert_same_state(last_ckpt(run), ref)
+
+
+def test_resume_validates_each_step_once(ref_one):
+    """An epoch ending on a val_every step is validated once: a second, equal score would count as a
+    validation without improvement and could trip early stopping (eval.patience)."""
+    events = [json.loads(line) for line in (ref_one / "metrics.jsonl").read_text().splitlines()]
+    steps = [e["step"] for e in events if e["split"] == "valid"]
+    assert steps == [3, 6, 9], steps
+
+
+def test_resume_skips_truncated_checkpoint(tmp_path, ref_one):
+    """The newest step file cut short (as by a full disk on a file system without atomic rename) is
+    skipped with a warning; training resumes from the one before and still ends bit-identical."""
+    run = tmp_path / "run"
+    train(run, *ONE, "trainer.max_steps=5", "checkpoint.every_steps=2", cwd=tmp_path)
+    newest = step_files(run)[-1]
+    assert newest.name == "step_00000005.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])  # last.pt is a hard link to it: truncated as well
+    assert (run / "checkpoints" / "last.pt").stat().st_size == len(data) // 2
+    res = train(run, *ONE, "checkpoint.every_steps=2", cwd=tmp_path)
+    assert "skipping corrupt checkpoint" in res.stderr and "step_00000005.pt" in res.stderr
+    assert "at step 4" in res.stderr
+    assert_same_state(last_ckpt(run), last_ckpt(ref_one))
+
+
+@pytest.mark.distributed
+def test_resume_refuses_other_world_size(tmp_path, ref_one, ref_two):
+    """1 -> 2 workers (spawn path) and 2 -> 1 (plain path): a clear error, no training, nothing written."""
+    for ref, devices, written, now in ((ref_one, 2, 1, 2), (ref_two, 1, 2, 1)):
+        run = tmp_path / f"from_{written}"
+        shutil.copytree(ref, run)
+        before = {p: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()}
+        res = train(run, *DROPOUT, "trainer.max_steps=20", f"trainer.devices={devices}", "trainer.accelerator=cpu",
+                    cwd=tmp_path, expect=None)
+        assert res.returncode == 2, res.stderr[-3000:]
+        last_line = res.stderr.strip().splitlines()[-1]
+        assert last_line.startswith("error: ") and f"was written by {written} workers but this run has {now}" \
+            in last_line, res.stderr[-3000:]
+        assert "trainer.init_from" in last_line  # and says what to do instead
+        assert {p: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == before
