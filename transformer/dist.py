@@ -98,6 +98,13 @@ def torchrun_env() -> Optional[dict]:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return {"rank": int(os.environ["RANK"]), "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
                 "world_size": int(os.environ["WORLD_SIZE"])}
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        # hydra/launcher=slurm: one Slurm task per GPU and no torchrun; submitit derives the ranks from
+        # SLURM_PROCID/SLURM_LOCALID and exports MASTER_ADDR/MASTER_PORT for env://.
+        import submitit
+
+        e = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        return {"rank": e.rank, "local_rank": e.local_rank, "world_size": e.world_size}
     return None
 
 

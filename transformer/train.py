@@ -203,7 +203,8 @@ def _remove_if_empty(folder: Path) -> None:
         pass
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+# An absolute path: a relative one is read as a Python package and fails outside the repository root.
+@hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
     try:
         code = run(cfg)
