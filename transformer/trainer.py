@@ -16,7 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from transformer import scoring
-from transformer.checkpoint import FORMAT, Checkpointer, CheckpointError
+from transformer.checkpoint import FORMAT, Checkpointer, CheckpointError, load_checkpoint
 from transformer.config import ConfigError, to_container
 from transformer.data.batch import PAD
 from transformer.dist import DistEnv, rank_zero
@@ -164,8 +164,8 @@ class Trainer:
                 validated = is_best = False
                 if self.step % self.tcfg.val_every == 0:
                     validated, is_best = True, self._validate_once()
-                if self.step % self.cfg.checkpoint.every_steps == 0:
-                    self.save(is_best)
+                if is_best or self.step % self.cfg.checkpoint.every_steps == 0:
+                    self.save(is_best)  # a new best is saved at once, or best.pt would miss it
                 if validated and self._patience_over():
                     return 0
             if self.batch_index >= n:  # epoch complete (not cut short by max_steps)
@@ -299,10 +299,16 @@ class Trainer:
             log.info("checkpoint %s%s", path, " (best)" if is_best else "")
 
     def final_eval(self) -> None:
-        """Copy task: exact-match accuracy of greedy decoding on fresh sequences (the test split)."""
+        """Copy task: exact-match accuracy of greedy decoding on fresh sequences (the test split), with the
+        weights of best.pt (chosen on the validation split, as for any model selection)."""
         if self.data.task == "copy":
+            best = self.checkpointer.folder / "best.pt" if self.checkpointer is not None else None
+            path = self.env.broadcast_object(str(best) if best is not None and best.is_file() else None)
+            if path is not None:
+                self.model.load_state_dict(load_checkpoint(path)["model"])
             acc = scoring.copy_accuracy(self.model, self.data.test, self.env, self.env.device)
-            self.metrics.log("test", self.step, self.epoch, test_accuracy=acc)
+            self.metrics.log("test", self.step, self.epoch, test_accuracy=acc,
+                             checkpoint="best" if path is not None else "last")
         self._log_figures()
 
     @rank_zero
