@@ -46,7 +46,6 @@ def test_copy_experiment_reaches_99_percent(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("norm_first", ["false", "true"])
 def test_post_norm_and_pre_norm_both_learn_to_copy(tmp_path, norm_first):
-    run_dir, _ = run_copy(tmp_path, f"model.norm_first={norm_first}", "trainer.max_epochs=2",
-                          "data.copy.train_size=12000")
+    run_dir, _ = run_copy(tmp_path, f"model.norm_first={norm_first}", "trainer.max_epochs=4")
     test = [r for r in read_metrics(run_dir) if r["split"] == "test"][-1]
-    assert test["test_accuracy"] >= 0.9
+    assert test["test_accuracy"] >= 0.95
