@@ -16,7 +16,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $@
 
-train: install  ## the copy task end to end on this machine (about a minute on 2 CPU cores)
+train: install  ## the copy task end to end on this machine (about 1.5 minutes of training on 2 CPU cores)
 	$(BIN)/transformer-train experiment=copy
 
 test: install  ## fast CPU tier

@@ -63,6 +63,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
-def _private_cache(tmp_path, monkeypatch):
-    """Downloads and preprocessing caches of tests go to the test's temp folder, never the user's ~/.cache."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg-cache"))
+def _private_cache(tmp_path_factory, monkeypatch):
+    """Downloads and preprocessing caches of each test go to a fresh temp folder, never the user's ~/.cache.
+    Not inside tmp_path: tests that run the CLI there check that nothing but the run directory appears."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
