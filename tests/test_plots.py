@@ -91,3 +91,27 @@ def test_nothing_to_plot_is_an_error(tmp_path, capsys):
     assert main([str(tmp_path)]) == 1
     assert "nothing to plot" in capsys.readouterr().err
     assert main([str(tmp_path / "missing")]) == 1
+
+
+def test_deep_model_keeps_few_figures_open(run_dir, tmp_path, monkeypatch):
+    """27 figures for an 8-layer model: drawn one at a time, so matplotlib never warns about >20 open
+    figures and nothing stays open afterwards (the trainer draws these at the end of every run)."""
+    import matplotlib.pyplot as plt
+    from transformer import plots
+
+    most_open = []
+    real_heads_figure = plots.heads_figure
+
+    def counting(*args, **kw):
+        fig = real_heads_figure(*args, **kw)
+        most_open.append(len(plt.get_fignums()))
+        return fig
+
+    monkeypatch.setattr(plots, "heads_figure", counting)
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(N=8, d_model=16, d_ff=32, h=2, dropout=0.0), 12, 12, shared_vocab=True)
+    paths = plots.save_figures(plots.chain(plots.curve_figures(read_metrics(run_dir / "metrics.jsonl")).items(),
+                                           plots.attention_figures(model, CopyTokenizer(12), "4 5")),
+                               tmp_path / "png")
+    assert len(paths) == 3 + 3 * 8 and len(most_open) == 3 * 8
+    assert max(most_open) == 1 and plt.get_fignums() == []

@@ -16,7 +16,8 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from itertools import chain
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import matplotlib
 
@@ -167,23 +168,23 @@ def heads_figure(weights: torch.Tensor, rows: List[str], cols: List[str], title:
     return fig
 
 
-def attention_figures(model, tokenizer, sentence: str, max_len_a: float = 1.2, max_len_b: int = 10):
-    """{"attention_encoder_layer1": Figure, ...}: every layer of the three attention kinds."""
+def attention_figures(model, tokenizer, sentence: str, max_len_a: float = 1.2,
+                      max_len_b: int = 10) -> Iterator[Tuple[str, object]]:
+    """("attention_encoder_layer1", Figure), ...: every layer of the three attention kinds. A generator, so
+    a consumer that closes each figure keeps one open at a time (a big model has dozens of layers)."""
     src, tgt, maps = attention_maps(model, tokenizer, sentence, max_len_a, max_len_b)
-    figs = {}
     for kind, rows, cols, what in (("encoder", src, src, "Encoder self-attention"),
                                    ("decoder", tgt, tgt, "Decoder self-attention"),
                                    ("cross", tgt, src, "Encoder-decoder attention")):
         for i, w in enumerate(maps[kind]):
-            figs[f"attention_{kind}_layer{i + 1}"] = heads_figure(w, rows, cols, f"{what}, layer {i + 1}")
-    return figs
+            yield f"attention_{kind}_layer{i + 1}", heads_figure(w, rows, cols, f"{what}, layer {i + 1}")
 
 
-def save_figures(figs: Dict[str, object], out_dir: Path) -> List[Path]:
-    """NAME.png for each figure, each written atomically; figures are closed."""
+def save_figures(figs: Iterable[Tuple[str, object]], out_dir: Path) -> List[Path]:
+    """NAME.png for each (NAME, figure), each written atomically and closed before the next is drawn."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for name, fig in figs.items():
+    for name, fig in figs:
         path = out_dir / f"{name}.png"
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=out_dir)
         try:
@@ -208,12 +209,14 @@ def log_figures(writer, records: Optional[Sequence[dict]] = None, run_dir=None, 
     the tags written. Call on rank 0 only."""
     if records is None and run_dir is not None and (Path(run_dir) / "metrics.jsonl").is_file():
         records = read_metrics(Path(run_dir) / "metrics.jsonl")
-    figs = curve_figures(records or [], cfg)
+    figs = curve_figures(records or [], cfg).items()
     if model is not None and tokenizer is not None and sentence:
-        figs.update(attention_figures(model, tokenizer, sentence))
-    for name, fig in figs.items():
+        figs = chain(figs, attention_figures(model, tokenizer, sentence))
+    tags = []
+    for name, fig in figs:
         writer.add_figure(f"plots/{name}", fig, global_step=step, close=True)
-    return [f"plots/{name}" for name in figs]
+        tags.append(f"plots/{name}")
+    return tags
 
 
 def _find_checkpoint(run_dir: Path) -> Optional[Path]:
@@ -239,15 +242,18 @@ def run(args) -> List[Path]:
     if cfg is None and (run_dir / ".hydra" / "config.yaml").is_file():
         from omegaconf import OmegaConf
         cfg = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=False)
-    figs = curve_figures(read_metrics(metrics), cfg) if metrics.is_file() else {}
+    curves = curve_figures(read_metrics(metrics), cfg) if metrics.is_file() else {}
+    if not curves and not args.sentence:
+        raise UsageError(f"nothing to plot: {metrics} is missing or holds no curves, and no --sentence was given")
+    figs = curves.items()
     if args.sentence:
         if model is None:
+            for fig in curves.values():
+                plt.close(fig)
             raise UsageError(f"--sentence needs a checkpoint: none in {run_dir / 'checkpoints'}, give --checkpoint")
         ev = (cfg or {}).get("eval") or {}
-        figs.update(attention_figures(model, tokenizer, args.sentence, ev.get("max_len_a", 1.2),
-                                      ev.get("max_len_b", 10)))
-    if not figs:
-        raise UsageError(f"nothing to plot: {metrics} is missing or holds no curves, and no --sentence was given")
+        figs = chain(figs, attention_figures(model, tokenizer, args.sentence, ev.get("max_len_a", 1.2),
+                                             ev.get("max_len_b", 10)))
     return save_figures(figs, out_dir)
 
 
