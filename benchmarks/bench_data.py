@@ -39,7 +39,7 @@ def offline_root(multi30k: Path, tmp: Path) -> Path:
     folder = tmp / "root" / "multi30k"
     folder.mkdir(parents=True)
     for f in multi30k.glob("*.gz"):
-        (folder / f.name).symlink_to(f)
+        (folder / f.name).symlink_to(f.resolve())  # a relative target would resolve from `folder`
     return tmp / "root"
 
 

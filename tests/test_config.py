@@ -66,3 +66,25 @@ def test_bad_override_exits_nonzero_and_writes_nothing(tmp_path, override, messa
     assert message in proc.stderr
     assert not run_dir.exists() or not any(run_dir.iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) in ([], ["run"])
+
+
+@pytest.mark.parametrize("overrides,message,devices", [
+    (["data=files", "data.files.train=corpus/train", "data.files.val=corpus/val"],
+     "corpus file not found: corpus/train.de", "1"),
+    (["data=files", "data.files.train=corpus/train", "data.files.val=corpus/val"],
+     "corpus file not found: corpus/train.de", "2"),
+    (["experiment=multi30k", "data.root=mt", "data.url=http://127.0.0.1:9"],
+     "could not download http://127.0.0.1:9/train.de.gz", "1"),
+], ids=["missing_corpus", "missing_corpus_spawned", "download_refused"])
+def test_bad_data_exits_2_in_one_line_and_leaves_no_run_dir(tmp_path, overrides, message, devices):
+    """Errors found after the config passed (corpus files, downloads), on one worker or in spawned workers:
+    one `error:` line naming the file or URL, exit code 2, and no run directory left behind."""
+    env = {**cli_env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.run(train_cmd(*overrides, f"trainer.devices={devices}", "trainer.accelerator=cpu",
+                                    "trainer.progress=false"),
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "outputs").exists(), sorted(str(p) for p in (tmp_path / "outputs").rglob("*"))

@@ -112,6 +112,10 @@ def test_rank0_failure_reaches_every_rank(cfg):
     with pytest.raises(ValueError, match="corpus file not found"):
         build_translation_data(cfg, env0, None)
     assert env0.events == ["barrier", "broadcast"]  # the others are released, not left at the barrier
-    env1 = FakeEnv(rank=1, world_size=2, from_rank0=("error", "ValueError: corpus file not found"))
-    with pytest.raises(RuntimeError, match="rank 0 failed to prepare the data: ValueError: corpus file not found"):
+    # Bad input: the same error on every rank. Anything else: a RuntimeError that names rank 0's.
+    env1 = FakeEnv(rank=1, world_size=2, from_rank0=("error", "ValueError", "corpus file not found: x"))
+    with pytest.raises(ValueError, match="^corpus file not found: x$"):
+        build_translation_data(cfg, env1, None)
+    env1 = FakeEnv(rank=1, world_size=2, from_rank0=("error", None, "MemoryError: out of memory"))
+    with pytest.raises(RuntimeError, match="rank 0 failed to prepare the data: MemoryError: out of memory"):
         build_translation_data(cfg, env1, None)

@@ -272,3 +272,26 @@ def test_dist_run_name_differs_within_one_second(monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
     monkeypatch.setattr(train_module, "_RUN_NAME", None)
     assert train_module.run_name() == "torchrun-job42"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_dist_multirun_sweep_gives_each_job_one_run_dir(tmp_path):
+    """`transformer-train -m` with 2 spawned workers per job: one run directory per sweep job, each written
+    by that job's rank 0 alone, and nothing written anywhere else."""
+    cmd = train_cmd("-m", *TINY, *SPAWN2, "trainer.max_steps=2", "trainer.val_every=100", "seed=1,2",
+                    f"hydra.sweep.dir={tmp_path / 'sweep'}")
+    res = run_cli(cmd, tmp_path)
+    jobs = sorted(p.name for p in (tmp_path / "sweep").iterdir() if p.is_dir())
+    assert jobs == ["0", "1"], files_under(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"], files_under(tmp_path)
+    weights = []
+    for job, seed in zip(jobs, (1, 2)):
+        run = tmp_path / "sweep" / job
+        ck = last_ckpt(run)
+        assert ck["trainer"]["step"] == 2 and ck["trainer"]["world_size"] == 2 and ck["config"]["seed"] == seed
+        assert (run / ".hydra" / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()
+        assert "2 worker(s)" in (run / "train.log").read_text()
+        weights.append(ck["model"])
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0]), "seeds 1 and 2 trained alike"
+    assert "Traceback" not in res.stderr

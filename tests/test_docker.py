@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import SHELLCHECK
+
 REPO = Path(__file__).resolve().parents[1]
 TIER = REPO / "docker" / "ci" / "run-docker-tier.sh"
 
@@ -28,9 +30,9 @@ def test_tier_help():
     assert "Usage: docker/ci/run-docker-tier.sh" in res.stdout and "set -euo" not in res.stdout
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed")
 def test_tier_shellcheck_clean():
-    res = subprocess.run(["shellcheck", "-x", str(TIER)], capture_output=True, text=True)
+    res = subprocess.run([SHELLCHECK, "-x", str(TIER)], capture_output=True, text=True)
     assert res.returncode == 0, res.stdout
 
 

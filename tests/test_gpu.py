@@ -44,3 +44,12 @@ def test_flash_attention_kernel_runs_for_causal_self_attention():
         out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q.float(), q.float(), q.float(), is_causal=True)
     assert torch.allclose(out.float(), ref, atol=2e-2)
+
+
+def test_gpu_stats_report_memory_and_nvml_utilisation():
+    from transformer.logs import gpu_stats
+
+    x = torch.ones(1024, 1024, device="cuda")
+    stats = gpu_stats(torch.device("cuda", 0))
+    assert stats["gpu_mem_gb"] >= x.numel() * 4 / 2**30
+    assert 0 <= stats["gpu_util"] <= 100  # NVML answered for the GPU torch calls cuda:0

@@ -3,7 +3,6 @@ the environment or a faked Slurm job, the Slurm preemption path with fake srun/s
 and (marked distributed) real torchrun launches of a stand-in `transformer.train`."""
 import os
 import shlex
-import shutil
 import signal
 import stat
 import subprocess
@@ -12,6 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import SHELLCHECK
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
@@ -75,9 +76,9 @@ def test_help_prints_usage(script):
     assert res.stdout.startswith("Usage:")
 
 
-@pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed")
 def test_shellcheck_clean():
-    res = run(["shellcheck", "-x", *SCRIPTS, LAUNCH / "common.sh"], clean_env())
+    res = run([SHELLCHECK, "-x", *SCRIPTS, LAUNCH / "common.sh"], clean_env())
     assert res.returncode == 0, res.stdout
 
 

@@ -47,12 +47,9 @@ def gpu_stats(device: torch.device) -> dict:
         return {}
     stats = {"gpu_mem_gb": torch.cuda.max_memory_allocated(device) / 2**30}
     try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        stats["gpu_util"] = float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        # Not pynvml's index = torch's index: under CUDA_VISIBLE_DEVICES=2,3 (SLURM sets it) torch's cuda:0 is
+        # NVML's GPU 2. torch.cuda.utilization maps through CUDA_VISIBLE_DEVICES (ordinals or UUIDs).
+        stats["gpu_util"] = float(torch.cuda.utilization(device))
     except Exception:  # NVML missing in some containers: memory alone is still worth logging
         pass
     return stats

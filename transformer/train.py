@@ -10,6 +10,7 @@ Global rank 0 owns the run directory; other ranks never write into it.
 import logging
 import os
 import secrets
+import shutil
 import signal
 import sys
 import time
@@ -26,6 +27,7 @@ from transformer import dist
 from transformer.checkpoint import CheckpointError, atomic_save, load_checkpoint
 from transformer.config import ConfigError, from_container, register_configs, to_container, validate
 from transformer.data import build_data
+from transformer.data.download import DownloadError
 from transformer.logs import setup_logging
 from transformer.model import Transformer
 from transformer.trainer import PREEMPTED_EXIT_CODE, Trainer
@@ -35,6 +37,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 log = logging.getLogger("transformer")
 _RUN_NAME: Optional[str] = None
 JOIN_GRACE_S = 10.0  # spawn path: seconds the other workers get to exit after one has
+# Bad input (config values, corpora, downloads, checkpoints): one line and exit code 2, not a traceback.
+BAD_INPUT = (ValueError, CheckpointError, FileNotFoundError, DownloadError)
+BAD_INPUT_NAMES = {c.__name__ for c in BAD_INPUT} | {"ConfigError"}  # as a spawned worker's traceback names them
 
 
 def run_name() -> str:
@@ -141,7 +146,7 @@ def spawn(n: int, cfg_dict: dict, run_dir: Path) -> int:
     except mp.ProcessRaisedException as e:
         last = str(e).strip().splitlines()[-1]  # "module.ErrorClass: message" of the worker's traceback
         name, _, message = last.partition(": ")
-        if name.rsplit(".", 1)[-1] in ("CheckpointError", "ConfigError", "ValueError"):
+        if name.rsplit(".", 1)[-1] in BAD_INPUT_NAMES:
             # Bad input, as main() reports it on one worker: one line, exit code 2, and no advice to
             # rerun (the same command would fail the same way).
             print(f"error: {message}", file=sys.stderr)
@@ -173,16 +178,27 @@ def write_config_snapshot(run_dir: Path, cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> int:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     torchrun = dist.torchrun_env()
+    # Hydra has just made the run directory (other torchrun ranks point it at "."). If it was empty, this run
+    # owns it: a run refused for bad input removes it again, so a failed start leaves nothing half-written.
+    owned = (torchrun is None or torchrun["rank"] == 0) and run_dir.is_dir() and not any(run_dir.iterdir())
     try:
-        validate(cfg)
-        for key in ("resume", "init_from"):
-            value = cfg.trainer[key]
-            if value not in (None, "auto", "none") and not Path(value).is_file():
-                raise ConfigError(f"trainer.{key}={value!r}: no such checkpoint file")
-    except ConfigError as e:
-        _remove_if_empty(run_dir)
+        code = launch(cfg, run_dir, torchrun)
+    except BAD_INPUT as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        code = 2
+    if code == 2 and owned:
+        _remove_run_dir(run_dir)
+    return code
+
+
+def launch(cfg: DictConfig, run_dir: Path, torchrun: Optional[dict]) -> int:
+    validate(cfg)
+    for key in ("resume", "init_from"):
+        value = cfg.trainer[key]
+        if value not in (None, "auto", "none") and not Path(value).is_file():
+            raise ConfigError(f"trainer.{key}={value!r}: no such checkpoint file")
     cfg_dict = to_container(cfg)
     if torchrun is not None:
         if torchrun["rank"] == 0:
@@ -196,24 +212,31 @@ def run(cfg: DictConfig) -> int:
     return spawn(n, cfg_dict, run_dir)
 
 
-def _remove_if_empty(folder: Path) -> None:
-    try:
-        folder.rmdir()
-    except OSError:
-        pass
+def _remove_run_dir(folder: Path) -> None:
+    """Removes a run directory this run made and that holds no results yet (never the working directory), and
+    for a default name (outputs/<date>/<time>-<id>) the folders above it that are left empty."""
+    for handler in list(logging.getLogger().handlers):  # train.log is open in it
+        if isinstance(handler, logging.FileHandler):
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    if folder.resolve() == Path.cwd().resolve() or any((folder / f).exists() for f in ("checkpoints", "metrics.jsonl")):
+        return  # it has results: a late error never deletes them
+    shutil.rmtree(folder, ignore_errors=True)
+    if _RUN_NAME is not None and folder.as_posix().endswith(_RUN_NAME):
+        cwd = Path.cwd().resolve()
+        for parent in folder.resolve().parents:  # outputs/<date>/, then outputs/, while empty and below cwd
+            if cwd not in parent.parents:
+                break
+            try:
+                parent.rmdir()
+            except OSError:  # holds other runs
+                break
 
 
 # An absolute path: a relative one is read as a Python package and fails outside the repository root.
 @hydra.main(config_path=str(Path(__file__).resolve().parents[1] / "conf"), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> None:
-    try:
-        code = run(cfg)
-    except (ValueError, CheckpointError, FileNotFoundError) as e:
-        # Bad input (config values, corpora, checkpoints): one line, not a traceback.
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
+    code = run(cfg)
     if code:
         sys.exit(code)
 

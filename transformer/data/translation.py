@@ -13,13 +13,14 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from transformer.data.batch import PairDataset, Ragged
 from transformer.data.cache import CACHE_VERSION, CacheEntry, cache_folder, cache_key
 from transformer.data.corpus import file_digest, read_parallel, resolve
-from transformer.data.download import MULTI30K_SHA256, data_root, ensure_multi30k, multi30k_file
+from transformer.data.download import MULTI30K_SHA256, DownloadError, data_root, ensure_multi30k, multi30k_file
 from transformer.data.module import DataModule
 from transformer.data.tokenizer import encode_sources, tokenizer_from_state, train_tokenizer
 
 __all__ = ["build_translation_data", "load_split", "encode_sources", "split_files"]
 
 log = logging.getLogger(__name__)
+_BAD_INPUT = (DownloadError, FileNotFoundError, ValueError)  # most specific first
 
 
 def split_files(cfg, split: str, progress: bool = True) -> Tuple[Path, Path]:
@@ -154,13 +155,19 @@ def build_translation_data(cfg, env, run_dir: Optional[Path] = None) -> DataModu
         except Exception as e:
             if not env.distributed:
                 raise
-            error, payload = e, ("error", f"{type(e).__name__}: {e}")  # the other ranks must not wait forever
+            # The other ranks must not wait forever; bad input goes to them as the same error, so whichever
+            # worker a launcher reports first, the user reads the same one line.
+            bad = next((c.__name__ for c in _BAD_INPUT if isinstance(e, c)), None)
+            error, payload = e, ("error", bad, f"{type(e).__name__}: {e}" if bad is None else str(e))
     env.barrier()  # the other ranks wait here while rank 0 downloads and preprocesses
     payload = env.broadcast_object(payload)
     if error is not None:
         raise error
     if payload[0] == "error":
-        raise RuntimeError(f"rank 0 failed to prepare the data: {payload[1]}")
+        _, bad, message = payload
+        if bad is not None:
+            raise {c.__name__: c for c in _BAD_INPUT}[bad](message)
+        raise RuntimeError(f"rank 0 failed to prepare the data: {message}")
     _, key, tokenizer_state = payload
     entry = CacheEntry(cache_folder(cfg.data.cache_dir, data_root(cfg.data.root)), key)
     if not entry.exists():
