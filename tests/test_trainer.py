@@ -121,3 +121,13 @@ def test_model_mismatch_is_refused(tmp_path):
     other = make_trainer(tmp_path / "x", "model.d_ff=128")
     with pytest.raises(CheckpointError, match="holds another model"):
         other.load_state_dict(state, "ck.pt")
+
+
+def test_progress_total_counts_optimizer_steps_of_max_epochs(tmp_path):
+    """The bar's ETA needs a total: max_steps, or ceil(batches / accumulate) * max_epochs, whichever comes first."""
+    t = make_trainer(tmp_path, "trainer.max_epochs=3", "trainer.max_steps=null", "trainer.accumulate=2")
+    n = t.data.num_train_batches(0)
+    assert n > 2 and t._total_steps() == -(-n // 2) * 3
+    assert make_trainer(tmp_path, "trainer.max_epochs=3", "trainer.max_steps=5")._total_steps() == 5
+    steps = make_trainer(tmp_path, "trainer.max_epochs=1", "trainer.max_steps=10000")._total_steps()
+    assert steps == n

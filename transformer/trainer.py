@@ -55,6 +55,7 @@ class Trainer:
         self.best: Optional[float] = None
         self.bad_validations = 0
         self.stop_signal: Optional[int] = None
+        self.total_steps: Optional[int] = None  # set by train(), for the ETA
         self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
         self.metric = cfg.checkpoint.best_metric
         self._check_metric()
@@ -119,7 +120,8 @@ class Trainer:
     def train(self) -> int:
         """Runs until max_steps/max_epochs, early stop or a stop signal. Returns the process exit code."""
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
-        progress = Progress(self.tcfg.max_steps, self.step, self.tcfg.progress)
+        self.total_steps = self._total_steps()
+        progress = Progress(self.total_steps, self.step, self.tcfg.progress)
         try:
             code = self._loop(progress)
         finally:
@@ -129,6 +131,16 @@ class Trainer:
         if code == 0:
             self.final_eval()
         return code
+
+    def _total_steps(self) -> Optional[int]:
+        """The progress bar's total (for its ETA): max_steps, or the steps of max_epochs if they come first.
+        An epoch takes ceil(batches / accumulate) steps; its batch count can vary by one or two between
+        epochs, so the epoch-based total is an estimate."""
+        t = self.tcfg
+        totals = [] if t.max_steps is None else [t.max_steps]
+        if t.max_epochs is not None:
+            totals.append(math.ceil(self.data.num_train_batches(self.epoch) / t.accumulate) * t.max_epochs)
+        return min(totals) if totals else None
 
     def _on_signal(self, signum, frame) -> None:
         log.warning("received %s: finishing this step, then checkpointing", signal.Signals(signum).name)
@@ -141,7 +153,7 @@ class Trainer:
 
     def _loop(self, progress: Progress) -> int:
         K = self.tcfg.accumulate
-        window = {"tokens": 0.0, "loss": 0.0, "nll": 0.0, "time": time.time()}
+        window = {"tokens": 0.0, "loss": 0.0, "nll": 0.0, "steps": 0, "time": time.time()}
         while not self._done():
             n = self.data.num_train_batches(self.epoch)
             with self._rng_untouched():  # a DataLoader iterator draws its seed from the global RNG
@@ -151,7 +163,7 @@ class Trainer:
                 tokens, loss, nll, stop, grad_norm = self._optimizer_step(micro)
                 self.batch_index += len(micro)
                 self.step += 1
-                for key, v in (("tokens", tokens), ("loss", loss), ("nll", nll)):
+                for key, v in (("tokens", tokens), ("loss", loss), ("nll", nll), ("steps", 1)):
                     window[key] += v
                 progress.update(loss=loss / max(tokens, 1), lr=self.scheduler.lr())
                 if self.step % self.tcfg.log_every == 0:
@@ -230,9 +242,11 @@ class Trainer:
                   "tokens_per_s": window["tokens"] / max(elapsed, 1e-9)}
         if grad_norm is not None:
             values["grad_norm"] = grad_norm
+        if self.total_steps is not None:  # for logs read without the bar (SLURM, nohup): time left at this pace
+            values["eta_s"] = max(self.total_steps - self.step, 0) * elapsed / max(window["steps"], 1)
         values.update(gpu_stats(self.env.device))
         self.metrics.log("train", self.step, self.epoch, **values)
-        window.update(tokens=0.0, loss=0.0, nll=0.0, time=time.time())
+        window.update(tokens=0.0, loss=0.0, nll=0.0, steps=0, time=time.time())
 
     # ---- validation and checkpoints ------------------------------------------------------------------
     @torch.no_grad()
