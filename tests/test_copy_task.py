@@ -49,3 +49,17 @@ def test_post_norm_and_pre_norm_both_learn_to_copy(tmp_path, norm_first):
     run_dir, _ = run_copy(tmp_path, f"model.norm_first={norm_first}", "trainer.max_epochs=4")
     test = [r for r in read_metrics(run_dir) if r["split"] == "test"][-1]
     assert test["test_accuracy"] >= 0.95
+
+
+@pytest.mark.slow
+def test_compiled_model_trains_and_its_checkpoint_loads_uncompiled(tmp_path):
+    """trainer.compile=true (torch.compile, CPU inductor here): the loss falls and the checkpoint holds the plain
+    module's keys, so translate/evaluate load it without compiling."""
+    from transformer.checkpoint import load_model
+
+    run_dir, _ = run_copy(tmp_path, "trainer.compile=true", "trainer.max_steps=60", "trainer.log_every=20",
+                          "trainer.val_every=1000")
+    train = [r for r in read_metrics(run_dir) if r["split"] == "train"]
+    assert len(train) == 3 and train[-1]["loss"] < train[0]["loss"]
+    model, _, ckpt = load_model(run_dir / "checkpoints" / "last.pt")
+    assert ckpt["trainer"]["step"] == 60 and not any("_orig_mod" in k for k in ckpt["model"])
