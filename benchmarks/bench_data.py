@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-from transformer.data.batch import BOS, EOS, PAD, UNK, Batch, collate  # noqa: E402
+from transformer.data.batch import BOS, EOS, PAD, UNK, Batch  # noqa: E402
 from transformer.data.config import DataConfig, TokenizerConfig  # noqa: E402
 from transformer.dist import DistEnv  # noqa: E402
 
@@ -193,7 +193,7 @@ def bench_training(dm, steps: int):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--multi30k", default=str(REPO.parent / "shared" / "data" / "multi30k"))
+    p.add_argument("--multi30k", default=os.environ.get("MULTI30K_DIR") or str(REPO.parent / "shared" / "data" / "multi30k"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--only-train", action="store_true", help="skip to the training-step comparison (spaCy data)")

@@ -15,6 +15,7 @@ hypothesis gets exactly a * source_length + b tokens (a=1, b=0: about a real tra
 tokens/s is the fairer figure).
 """
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -31,10 +32,11 @@ from transformer.decode import encode_batch, length_batches, max_lengths, search
 
 
 def find_multi30k() -> Path:
-    for root in (Path("/work/shared/data/multi30k"), REPO.parent / "shared/data/multi30k"):
-        if (root / "test_2016_flickr.de.gz").is_file():
-            return root
-    sys.exit("bench_decode: Multi30k not found in /work/shared/data/multi30k or ../shared/data/multi30k")
+    """$MULTI30K_DIR, else ../shared/data/multi30k beside the repository (as the tests look for it)."""
+    root = Path(os.environ.get("MULTI30K_DIR") or REPO.parent / "shared/data/multi30k")
+    if not (root / "test_2016_flickr.de.gz").is_file():
+        sys.exit(f"bench_decode: no Multi30k test_2016_flickr.de.gz in {root} (set MULTI30K_DIR)")
+    return root
 
 
 def build_model(args, data: Path):

@@ -12,7 +12,6 @@ from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
 CONF = REPO / "conf"
-SHARED_MULTI30K = REPO.parent / "shared" / "data" / "multi30k"
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -50,13 +49,6 @@ def cli_env() -> dict:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
-
-
-@pytest.fixture
-def multi30k_dir():
-    if not (SHARED_MULTI30K / "train.de.gz").is_file():
-        pytest.skip(f"Multi30k raw files not found in {SHARED_MULTI30K}")
-    return SHARED_MULTI30K
 
 
 def pytest_collection_modifyitems(config, items):

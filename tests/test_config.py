@@ -1,5 +1,4 @@
 import subprocess
-from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException

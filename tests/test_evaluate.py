@@ -10,6 +10,7 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
+from data_helpers import MULTI30K, needs_multi30k
 from test_decode import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
 from transformer.checkpoint import atomic_save
 from transformer.config import EvalConfig
@@ -17,8 +18,6 @@ from transformer.data.copy import CopyTokenizer
 from transformer.dist import DistEnv, free_port
 from transformer.evaluate import main
 from transformer.scoring import valid_bleu
-
-MULTI30K = Path(__file__).resolve().parents[2] / "shared/data/multi30k"
 
 
 def write_pair(folder: Path, n: int, seed: int):
@@ -135,7 +134,7 @@ def test_valid_bleu_sharded_over_two_ranks_matches_one_process(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not MULTI30K.is_dir(), reason="Multi30k files not found next to the repo")
+@needs_multi30k
 def test_multi30k_split_via_data_root(tmp_path, capsys):
     """A spaCy-vocabulary model (untrained) evaluated on test_2016_flickr read through load_split."""
     from transformer.data.corpus import read_lines
@@ -154,7 +153,7 @@ def test_multi30k_split_via_data_root(tmp_path, capsys):
     ckpt = {"format": FORMAT, "model_args": model.args, "model": model.state_dict(), "tokenizer": tok.state_dict(),
             "config": full_config(name="multi30k", root="/nonexistent"), "trainer": {"step": 0}}
     atomic_save(ckpt, tmp_path / "m.pt")
-    rc = main([str(tmp_path / "m.pt"), "--split", "test_2016_flickr", "--data-root", str(MULTI30K.parent),
+    rc = main([str(tmp_path / "m.pt"), "--split", "test_2016_flickr", "--data-root", str(MULTI30K),
                "--beam", "1", "--max-len-a", "0", "--max-len-b", "5", "--out-dir", str(tmp_path / "out")])
     assert rc == 0, capsys.readouterr().err
     assert len((tmp_path / "out" / "test_2016_flickr.hyp").read_text(encoding="utf-8").split("\n")) == 1001

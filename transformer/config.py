@@ -3,7 +3,7 @@
 A typo or a wrong type in an override fails at composition with the full key, e.g.
 ``Key 'lrr' not in 'OptimConfig'``. `validate()` adds the checks a type cannot express.
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore

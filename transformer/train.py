@@ -24,7 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from transformer import dist
-from transformer.checkpoint import CheckpointError, atomic_save, load_checkpoint
+from transformer.checkpoint import CheckpointError, load_checkpoint
 from transformer.config import ConfigError, from_container, register_configs, to_container, validate
 from transformer.data import build_data
 from transformer.data.download import DownloadError
