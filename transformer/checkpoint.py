@@ -7,11 +7,12 @@ tokenizer state, so `load_model(path)` rebuilds a working model from the file al
 import logging
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
+
+from transformer.atomic import atomic_open, fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -23,29 +24,13 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def atomic_save(obj, path: Path) -> None:
-    """Write to a temp file in the same folder, fsync, then rename: a crash leaves the old file or the new one."""
+    """torch.save through a temp file in the same folder, fsync, then rename: a crash leaves the old file or
+    the new one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as f:
+        torch.save(obj, f)
 
 
 def atomic_link(src: Path, dst: Path) -> None:

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 from typing import List, Optional, Tuple
 
+from transformer.atomic import write_text_atomic
 from transformer.decode import translate_sentences
-from transformer.translate import (UsageError, add_decoding_args, eval_config, load, pick_device,
-                                   write_text_atomic)
+from transformer.translate import UsageError, add_decoding_args, eval_config, load, pick_device
 
 PROG = "transformer-evaluate"
 

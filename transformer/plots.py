@@ -12,9 +12,7 @@ encoder-decoder (cross) attention, on the model's own greedy translation of the 
 import argparse
 import json
 import math
-import os
 import sys
-import tempfile
 from pathlib import Path
 from itertools import chain
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -25,6 +23,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from transformer.atomic import atomic_open  # noqa: E402
 from transformer.data.batch import BOS  # noqa: E402
 
 PROG = "transformer-plot"
@@ -186,16 +185,9 @@ def save_figures(figs: Iterable[Tuple[str, object]], out_dir: Path) -> List[Path
     paths = []
     for name, fig in figs:
         path = out_dir / f"{name}.png"
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=out_dir)
         try:
-            with os.fdopen(fd, "wb") as f:
+            with atomic_open(path, "wb") as f:
                 fig.savefig(f, format="png", dpi=100)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
         finally:
             plt.close(fig)
         paths.append(path)

@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from transformer import dist
+from transformer.atomic import write_text_atomic
 from transformer.checkpoint import CheckpointError, load_checkpoint
 from transformer.config import ConfigError, from_container, register_configs, to_container, validate
 from transformer.data import build_data
@@ -170,9 +171,7 @@ def write_config_snapshot(run_dir: Path, cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     for name, node in (("config.yaml", cfg), ("overrides.yaml", OmegaConf.create(list(hc.overrides.task))),
                        ("hydra.yaml", OmegaConf.create({"hydra": OmegaConf.to_container(hc, resolve=False)}))):
-        tmp = folder / f".{name}.tmp"
-        tmp.write_text(OmegaConf.to_yaml(node))
-        os.replace(tmp, folder / name)
+        write_text_atomic(folder / name, OmegaConf.to_yaml(node))
 
 
 def run(cfg: DictConfig) -> int:

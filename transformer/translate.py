@@ -8,15 +8,14 @@ order. At a terminal (or with `--interactive`) every line is translated as soon 
 checkpoint alone is enough: it carries the architecture, the weights and the tokenizer.
 """
 import argparse
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Iterator, List, Optional, TextIO
 
 import torch
 
+from transformer.atomic import atomic_open
 from transformer.checkpoint import CheckpointError, load_checkpoint
 from transformer.config import EvalConfig
 from transformer.decode import translate_sentences
@@ -134,37 +133,13 @@ def translate_stream(model, tokenizer, cfg: EvalConfig, device, src: TextIO, out
     return done
 
 
-class AtomicTextOutput:
-    """A text file written under a temporary name in the same folder and renamed when complete."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        if self.path.is_dir():
-            raise UsageError(f"--output {self.path}: is a folder")
-        if not self.path.parent.is_dir():
-            raise UsageError(f"--output {self.path}: folder {self.path.parent} does not exist")
-        fd, self.tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=self.path.parent)
-        self.file = os.fdopen(fd, "w", encoding="utf-8")
-
-    def __enter__(self) -> TextIO:
-        return self.file
-
-    def __exit__(self, exc_type, *_):
-        try:
-            if exc_type is None:
-                self.file.flush()
-                os.fsync(self.file.fileno())
-        finally:
-            self.file.close()
-            if exc_type is None:
-                os.replace(self.tmp, self.path)
-            else:
-                Path(self.tmp).unlink(missing_ok=True)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    with AtomicTextOutput(path) as f:
-        f.write(text)
+def output_file(path: Path):
+    """--output, written atomically (it appears only once complete); a bad path is a usage error first."""
+    if path.is_dir():
+        raise UsageError(f"--output {path}: is a folder")
+    if not path.parent.is_dir():
+        raise UsageError(f"--output {path}: folder {path.parent} does not exist")
+    return atomic_open(path, "w", encoding="utf-8")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     try:
         if args.output:
-            with AtomicTextOutput(Path(args.output)) as out:
+            with output_file(Path(args.output)) as out:
                 n = translate_stream(model, tokenizer, cfg, device, src, out, buffer_size, args.input or "<stdin>")
         else:
             n = translate_stream(model, tokenizer, cfg, device, src, sys.stdout, buffer_size,

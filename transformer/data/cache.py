@@ -14,6 +14,7 @@ from typing import Dict, Optional, Tuple
 
 import numpy as np
 
+from transformer.atomic import fsync_dir
 from transformer.data.batch import Ragged
 from transformer.data.download import default_root
 
@@ -23,16 +24,6 @@ CACHE_VERSION = 1
 
 def cache_key(parts: dict) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, ensure_ascii=True).encode()).hexdigest()
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems cannot fsync a directory
-        pass
-    finally:
-        os.close(fd)
 
 
 class CacheEntry:
@@ -67,13 +58,13 @@ class CacheEntry:
                     json.dump(obj, f, ensure_ascii=False)
                     f.flush()
                     os.fsync(f.fileno())
-            _fsync(tmp)
+            fsync_dir(tmp)
             try:
                 os.rename(tmp, self.path)
             except OSError:
                 if not self.exists():  # not a lost race: a real failure
                     raise
-            _fsync(self.folder)
+            fsync_dir(self.folder)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

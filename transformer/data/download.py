@@ -7,12 +7,13 @@ A folder that already holds verified files is used without any network access.
 import hashlib
 import logging
 import os
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Dict, Iterable, Optional
+
+from transformer.atomic import atomic_open
 
 log = logging.getLogger(__name__)
 
@@ -99,39 +100,18 @@ def fetch(url: str, dest: Path, sha256: str, *, retries: int = 4, timeout_s: flo
 def _fetch_once(url: str, dest: Path, sha256: str, timeout_s: float, progress: bool) -> None:
     from tqdm import tqdm
 
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
-    try:
-        h = hashlib.sha256()
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            total = resp.headers.get("Content-Length")
-            with tqdm(total=int(total) if total else None, unit="B", unit_scale=True, desc=dest.name,
-                      disable=not progress, leave=False) as bar:
-                for chunk in iter(lambda: resp.read(_CHUNK), b""):
-                    out.write(chunk)
-                    h.update(chunk)
-                    bar.update(len(chunk))
-            out.flush()
-            os.fsync(out.fileno())
+    h = hashlib.sha256()
+    # The bytes stream into DEST's temporary twin, renamed to DEST only once the checksum has matched.
+    with atomic_open(dest, "wb", suffix=".part") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        total = resp.headers.get("Content-Length")
+        with tqdm(total=int(total) if total else None, unit="B", unit_scale=True, desc=dest.name,
+                  disable=not progress, leave=False) as bar:
+            for chunk in iter(lambda: resp.read(_CHUNK), b""):
+                out.write(chunk)
+                h.update(chunk)
+                bar.update(len(chunk))
         if h.hexdigest() != sha256:
             raise DownloadError(f"{url}: sha256 is {h.hexdigest()}, expected {sha256}; nothing was written to {dest}")
-        os.replace(tmp, dest)
-        _fsync_dir(dest.parent)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def _fsync_dir(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def ensure_multi30k(root: Path, splits: Iterable[str], langs: Iterable[str], url: str, *, retries: int = 4,

@@ -5,25 +5,16 @@ Encoders add no specials: the collate function appends </s> to the source and fr
 `state_dict()` holds primitives only, so a checkpoint alone rebuilds the tokenizer (`tokenizer_from_state`).
 """
 import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from transformer.atomic import write_text_atomic
 from transformer.data.batch import BOS, EOS, PAD, SPECIALS, UNK
 
 # Detokeniser flags of a spaCy vocabulary entry (see SpacyTokenizer).
 NO_SPACE_BEFORE, NO_SPACE_AFTER = 1, 2
 QUOTE = '"'  # ambiguous: opening or closing, decided by parity within the sentence
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _strip_specials(ids: Iterable[int]) -> List[int]:
@@ -200,8 +191,8 @@ class SpacyTokenizer:
         folder.mkdir(parents=True, exist_ok=True)
         for lang, vocab in ((self.src_lang, self.src_vocab), (self.tgt_lang, self.tgt_vocab)):
             lines = [f"{t}\t{_flag_name(f)}" for t, f in zip(vocab.itos, vocab.flags)]
-            _atomic_write_text(folder / f"vocab.{lang}.txt", "\n".join(lines) + "\n")
-        _atomic_write_text(folder / "tokenizer.json", json.dumps(self.state_dict(), ensure_ascii=False) + "\n")
+            write_text_atomic(folder / f"vocab.{lang}.txt", "\n".join(lines) + "\n")
+        write_text_atomic(folder / "tokenizer.json", json.dumps(self.state_dict(), ensure_ascii=False) + "\n")
 
 
 def _flag_name(flag: int) -> str:
@@ -276,9 +267,9 @@ class BpeTokenizer:
         """tokenizer.json (Hugging Face format, loadable with `tokenizers.Tokenizer.from_file`) and vocab.txt."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        _atomic_write_text(folder / "tokenizer.json", self.tok.to_str(pretty=True) + "\n")
+        write_text_atomic(folder / "tokenizer.json", self.tok.to_str(pretty=True) + "\n")
         itos = [self.tok.id_to_token(i) for i in range(self.tok.get_vocab_size())]
-        _atomic_write_text(folder / "vocab.txt", "\n".join(itos) + "\n")
+        write_text_atomic(folder / "vocab.txt", "\n".join(itos) + "\n")
 
 
 def train_tokenizer(cfg_tok, src_lang: str, tgt_lang: str, src_texts: Sequence[str], tgt_texts: Sequence[str]):

@@ -1,0 +1,65 @@
+"""Atomic file writes: a temporary file in the target's folder, fsynced, then renamed over the target.
+
+A reader, or a crash at any moment, sees the old file or the complete new one, never a partial one.
+`tempfile.mkstemp` creates its file with mode 0600; the finished file gets the mode a plain `open()`
+would give (0666 minus the umask), so a teammate, or a container running as another user, can read
+the checkpoints, downloads and outputs of a run.
+"""
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+from typing import IO, Iterator, Optional
+
+
+def _umask() -> int:
+    # /proc avoids os.umask's set-and-restore, which would race with threads creating files meanwhile.
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def fsync_dir(folder) -> None:
+    """Makes a rename in `folder` durable. Some file systems cannot fsync a folder: skipped there."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_open(path, mode: str = "wb", suffix: str = ".tmp", encoding: Optional[str] = None) -> Iterator[IO]:
+    """`with atomic_open(path) as f: ...` writes `path` only if the block completes; an exception
+    inside it (a failed checksum, say) leaves `path` untouched and no temporary file behind."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    try:
+        with contextlib.suppress(OSError):  # a file system without Unix modes keeps its own
+            os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, mode, encoding=encoding) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
+def write_text_atomic(path, text: str) -> None:
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        f.write(text)
