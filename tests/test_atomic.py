@@ -10,18 +10,15 @@ from transformer.checkpoint import atomic_save
 
 
 @pytest.fixture
-def umask():
-    def set_mask(mask: int) -> None:
-        os.umask(mask)
-
+def restore_umask():
     old = os.umask(0o022)
-    yield set_mask
+    yield
     os.umask(old)
 
 
 @pytest.mark.parametrize("mask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)])
-def test_files_get_the_mode_of_the_umask_not_mkstemps_0600(tmp_path, umask, mask, mode):
-    umask(mask)
+def test_files_get_the_mode_of_the_umask_not_mkstemps_0600(tmp_path, restore_umask, mask, mode):
+    os.umask(mask)
     write_text_atomic(tmp_path / "a.txt", "x")
     atomic_save({"w": torch.zeros(2)}, tmp_path / "c.pt")  # checkpoints: teammates must be able to read them
     for name in ("a.txt", "c.pt"):
