@@ -158,14 +158,14 @@ def bench_training(dm, steps: int):
     """Both feeds train their own copy of the same model; steps alternate between them, so a change in
     machine load during the run hits both alike."""
     from transformer.config import ModelConfig
-    from transformer.loss import label_smoothed_cross_entropy
+    from transformer.training.loss import label_smoothed_cross_entropy
     from transformer.model import Transformer
     cfg = ModelConfig(N=2, d_model=128, d_ff=256, h=4, dropout=0.1)
     feeds = {"ours (max_tokens=4096)": our_batches(dm), "annotated (32 x 72)": annotated_batches(dm)}
     runs = {}
     for name in feeds:
         torch.manual_seed(0)
-        model = Transformer(cfg, dm.src_vocab_size, dm.tgt_vocab_size, dm.shared_vocab).train()
+        model = Transformer.from_config(cfg, dm.src_vocab_size, dm.tgt_vocab_size, dm.shared_vocab).train()
         runs[name] = {"model": model, "opt": torch.optim.Adam(model.parameters(), lr=1e-4), "time": 0.0,
                       "tokens": 0, "sents": 0, "slots": 0}
     for k in range(steps + 2):

@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 from transformer.config import EvalConfig, ModelConfig  # noqa: E402
 from transformer.data.batch import BOS, EOS  # noqa: E402
 from transformer.data.corpus import read_lines  # noqa: E402
-from transformer.decode import encode_batch, length_batches, max_lengths, search  # noqa: E402
+from transformer.decoding import encode_batch, length_batches, max_lengths, search  # noqa: E402
 
 
 def find_multi30k() -> Path:
@@ -41,7 +41,7 @@ def find_multi30k() -> Path:
 
 def build_model(args, data: Path):
     if args.checkpoint:
-        from transformer.translate import load
+        from transformer.cli.translate import load
         model, tokenizer, _ = load(args.checkpoint, torch.device("cpu"))
         return model, tokenizer, f"checkpoint {args.checkpoint}"
     from transformer.data.tokenizer import SpacyTokenizer
@@ -52,7 +52,7 @@ def build_model(args, data: Path):
                                min_freq=2)
     del tok.train_ids
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(N=3, d_model=256, d_ff=1024, h=8, dropout=0.0), tok.src_vocab_size,
+    model = Transformer.from_config(ModelConfig(N=3, d_model=256, d_ff=1024, h=8, dropout=0.0), tok.src_vocab_size,
                         tok.tgt_vocab_size)
     return model.eval(), tok, (f"random init, N=3 d_model=256 d_ff=1024 h=8, spaCy vocab de {tok.src_vocab_size} / "
                                f"en {tok.tgt_vocab_size} (built in {time.perf_counter() - t:.0f}s)")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from transformer.atomic import atomic_open, write_text_atomic
-from transformer.checkpoint import atomic_save
+from transformer.training.checkpoint import atomic_save
 
 
 @pytest.fixture

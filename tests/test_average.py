@@ -3,15 +3,16 @@ import pytest
 import torch
 
 from test_decode import copy_checkpoint, one_thread  # noqa: F401
-from transformer.average import average_checkpoints, main
-from transformer.checkpoint import atomic_save, load_checkpoint
+from transformer.cli.average import main
+from transformer.training.averaging import average_checkpoints
+from transformer.training.checkpoint import atomic_save, load_checkpoint
 from transformer.config import ModelConfig
 from transformer.model import Transformer
 
 
 def tiny(seed: int, d_ff: int = 64) -> Transformer:
     torch.manual_seed(seed)
-    return Transformer(ModelConfig(N=1, d_model=32, d_ff=d_ff, h=2, dropout=0.0), 12, 12, shared_vocab=True)
+    return Transformer.from_config(ModelConfig(N=1, d_model=32, d_ff=d_ff, h=2, dropout=0.0), 12, 12, shared_vocab=True)
 
 
 def save_steps(folder, models, first_step=100):
@@ -31,7 +32,7 @@ def test_identical_checkpoints_average_to_the_same_weights(tmp_path):
     assert set(avg["model"]) == set(state)
     for k, v in state.items():
         assert avg["model"][k].dtype == v.dtype and torch.equal(avg["model"][k], v), k
-    assert avg["model_args"] == m.args and avg["tokenizer"]["name"] == "copy" and avg["config"]["eval"]
+    assert avg["model_args"] == m.args.to_dict() and avg["tokenizer"]["name"] == "copy" and avg["config"]["eval"]
 
 
 def test_run_dir_last_n_is_the_mean_of_the_newest_n(tmp_path, capsys):
@@ -45,8 +46,8 @@ def test_run_dir_last_n_is_the_mean_of_the_newest_n(tmp_path, capsys):
     assert avg["trainer"]["averaged_steps"] == [200, 300] and avg["trainer"]["step"] == 300
     assert "optimizer" not in avg
     # The result loads as a model on its own.
-    from transformer.model import from_args
-    from_args(avg["model_args"]).load_state_dict(avg["model"])
+    from transformer.model import ModelArgs, Transformer
+    Transformer(ModelArgs.from_dict(avg["model_args"])).load_state_dict(avg["model"])
     assert "averaged 2 checkpoints" in capsys.readouterr().out
 
 
@@ -55,7 +56,7 @@ def test_different_architectures_are_refused(tmp_path, capsys):
     atomic_save(copy_checkpoint(tiny(0)), a)
     atomic_save(copy_checkpoint(tiny(1, d_ff=128)), b)
     out = tmp_path / "avg.pt"
-    assert main([str(a), str(b), "--output", str(out)]) == 1
+    assert main([str(a), str(b), "--output", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "different architecture" in err[0] and "d_ff: 64 vs 128" in err[0]
     assert not out.exists()
@@ -67,7 +68,7 @@ def test_different_vocabularies_are_refused(tmp_path, capsys):
     other = copy_checkpoint(tiny(1))
     other["tokenizer"] = dict(other["tokenizer"], name="spacy")
     atomic_save(other, b)
-    assert main([str(a), str(b), "--output", str(tmp_path / "avg.pt")]) == 1
+    assert main([str(a), str(b), "--output", str(tmp_path / "avg.pt")]) == 2
     assert "tokenizer" in capsys.readouterr().err
 
 
@@ -81,7 +82,7 @@ def test_different_vocabularies_are_refused(tmp_path, capsys):
 def test_bad_input_is_one_line_and_nonzero(tmp_path, argv, message, capsys):
     a, b = save_steps(tmp_path, [tiny(0), tiny(1)])
     argv = [x.format(run=tmp_path, a=a, b=b, missing=tmp_path / "nope.pt", out=tmp_path / "o.pt") for x in argv]
-    assert main(argv) == 1
+    assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "o.pt").exists()

@@ -4,7 +4,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from tests.conftest import CONF, cli_env, compose_cfg, train_cmd
+from tests.helpers.cli import CONF, cli_env, compose_cfg, train_cmd
 from transformer.config import ConfigError, validate
 
 

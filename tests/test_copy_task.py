@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import cli_env, train_cmd
+from tests.helpers.cli import cli_env, train_cmd
 
 
 def read_metrics(run_dir):
@@ -55,7 +55,7 @@ def test_post_norm_and_pre_norm_both_learn_to_copy(tmp_path, norm_first):
 def test_compiled_model_trains_and_its_checkpoint_loads_uncompiled(tmp_path):
     """trainer.compile=true (torch.compile, CPU inductor here): the loss falls and the checkpoint holds the plain
     module's keys, so translate/evaluate load it without compiling."""
-    from transformer.checkpoint import load_model
+    from transformer.training.checkpoint import load_model
 
     run_dir, _ = run_copy(tmp_path, "trainer.compile=true", "trainer.max_steps=60", "trainer.log_every=20",
                           "trainer.val_every=1000")

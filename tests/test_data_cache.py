@@ -3,7 +3,7 @@ import json
 from pathlib import Path
 
 import pytest
-from data_helpers import TRAIN_EN, FakeEnv, small_files_cfg, write_lines
+from tests.helpers.data import TRAIN_EN, FakeEnv, small_files_cfg, write_lines
 
 from transformer.data import translation
 from transformer.data.cache import CacheEntry

@@ -2,7 +2,7 @@
 import gzip
 
 import pytest
-from data_helpers import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, FakeEnv, small_files_cfg, write_corpus, write_lines
+from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, FakeEnv, small_files_cfg, write_corpus, write_lines
 
 from transformer.data.batch import BOS, EOS
 from transformer.data.corpus import read_lines, read_parallel, resolve

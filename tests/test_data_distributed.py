@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch.multiprocessing as mp
-from data_helpers import TRAIN_EN, small_files_cfg
+from tests.helpers.data import TRAIN_EN, small_files_cfg
 from omegaconf import OmegaConf
 
 
@@ -25,7 +25,7 @@ def _worker(rank: int, world_size: int, port: int, cfg: dict, out: str) -> None:
 
 @pytest.mark.distributed
 def test_two_ranks_share_one_preprocessing(tmp_path):
-    from transformer.dist import free_port
+    from tests.helpers.cli import free_port
     cfg = small_files_cfg(tmp_path, max_tokens=30)
     mp.spawn(_worker, args=(2, free_port(), OmegaConf.to_container(cfg), str(tmp_path)), nprocs=2)
     r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))

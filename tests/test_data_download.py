@@ -5,7 +5,7 @@ import socket
 import urllib.request
 
 import pytest
-from data_helpers import MULTI30K, FakeEnv, data_cfg, needs_multi30k, serve, sha256_bytes
+from tests.helpers.data import MULTI30K, FakeEnv, data_cfg, needs_multi30k, serve, sha256_bytes
 
 from transformer.data import download
 from transformer.data.download import DownloadError, ensure_multi30k

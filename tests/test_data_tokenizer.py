@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from data_helpers import TRAIN_DE, TRAIN_EN
+from tests.helpers.data import TRAIN_DE, TRAIN_EN
 from omegaconf import OmegaConf
 
 from transformer.data.batch import BOS, EOS, PAD, SPECIALS, UNK

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from transformer.checkpoint import FORMAT
+from transformer.training.checkpoint import FORMAT
 from transformer.config import (CheckpointConfig, EvalConfig, ModelConfig, OptimConfig, TrainerConfig)
 from transformer.data.batch import BOS, EOS, PAD, collate
 from transformer.data.config import DataConfig, TokenizerConfig
 from transformer.data.copy import CopyTokenizer
-from transformer.decode import (beam_search, encode_batch, greedy_decode, greedy_search, length_batches,
-                                max_lengths, search, translate_sentences)
+from transformer.decoding import encode_batch, length_batches, search, translate_sentences
+from transformer.decoding.search import max_lengths
+from tests.helpers.decoding import Uncached, beam, greedy
 from transformer.model import Transformer
 
 VOCAB = 12  # 4 specials + symbols 4..11
@@ -39,7 +40,7 @@ def copy_model() -> Transformer:
     try:
         torch.manual_seed(0)
         cfg = ModelConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.0)
-        model = Transformer(cfg, VOCAB, VOCAB, shared_vocab=True)
+        model = Transformer.from_config(cfg, VOCAB, VOCAB, shared_vocab=True)
         opt = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.98))
         for step in range(300):
             b = collate(random_copy_items(32, seed=step))
@@ -63,7 +64,7 @@ def full_config(**data) -> dict:
 
 def copy_checkpoint(model=None, step: int = 300, **data) -> dict:
     model = copy_model() if model is None else model
-    return {"format": FORMAT, "model_args": dict(model.args), "model": model.state_dict(),
+    return {"format": FORMAT, "model_args": model.args.to_dict(), "model": model.state_dict(),
             "tokenizer": CopyTokenizer(VOCAB).state_dict(), "config": full_config(**data),
             "trainer": {"step": step, "epoch": 0}}
 
@@ -77,8 +78,10 @@ class ScriptedModel(torch.nn.Module):
         def __init__(self, src_mask):
             self.src_mask = src_mask
 
-        def reorder(self, index):
-            self.src_mask = self.src_mask.index_select(0, index)
+        def reorder(self, rows, source_rows=None, same_sources=False):
+            rows = source_rows if same_sources else rows
+            if rows is not None:
+                self.src_mask = self.src_mask.index_select(0, rows)
 
     def __init__(self, table: dict, vocab: int = 8):
         super().__init__()
@@ -124,23 +127,23 @@ def src():
 
 def test_copy_model_learned_the_task(model, src):
     # Guards the other tests: they compare decoders on a model that emits </s> at sensible places.
-    hyps = greedy_decode(model, src)
+    hyps = greedy(model, src)
     refs = [s[s > EOS].tolist() for s in src]
     assert np.mean([h == r for h, r in zip(hyps, refs)]) >= 0.75
 
 
 def test_beam_size_one_is_greedy(model, src):
-    greedy = greedy_decode(model, src)
-    assert [n[0].tokens for n in beam_search(model, src, beam=1)] == greedy
+    expected = greedy(model, src)
+    assert [n[0].tokens for n in beam(model, src, beam=1)] == expected
     torch.manual_seed(3)
-    untrained = Transformer(ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0), VOCAB, VOCAB).eval()
-    assert [n[0].tokens for n in beam_search(untrained, src, beam=1)] == greedy_decode(untrained, src)
+    untrained = Transformer.from_config(ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0), VOCAB, VOCAB).eval()
+    assert [n[0].tokens for n in beam(untrained, src, beam=1)] == greedy(untrained, src)
 
 
-@pytest.mark.parametrize("beam", [1, 4])
-def test_cached_equals_uncached(model, src, beam):
-    cached = search(model, src, {"beam": beam, "nbest": beam}, use_cache=True)
-    uncached = search(model, src, {"beam": beam, "nbest": beam}, use_cache=False)
+@pytest.mark.parametrize("size", [1, 4])
+def test_cached_equals_uncached(model, src, size):
+    cached = search(model, src, EvalConfig(beam=size, nbest=size))
+    uncached = search(Uncached(model), src, EvalConfig(beam=size, nbest=size))
     assert [[h.tokens for h in n] for n in cached] == [[h.tokens for h in n] for n in uncached]
     for n1, n2 in zip(cached, uncached):
         for h1, h2 in zip(n1, n2):
@@ -148,7 +151,7 @@ def test_cached_equals_uncached(model, src, beam):
 
 
 def test_batch_equals_one_by_one(model, src):
-    for cfg in ({"beam": 1}, {"beam": 4, "nbest": 2}):
+    for cfg in (EvalConfig(beam=1), EvalConfig(beam=4, nbest=2)):
         batched = [[h.tokens for h in n] for n in search(model, src, cfg)]
         # Each sentence alone, without the padding its batch gave it.
         single = [[h.tokens for h in search(model, s[s != PAD][None], cfg)[0]] for s in src]
@@ -159,22 +162,22 @@ def test_eos_stops_a_hypothesis_and_limits_hold():
     # After A, </s> is certain: every search stops there.
     m = ScriptedModel({BOS: {A: 1.0}, A: {EOS: 0.9, B_: 0.1}, B_: {B_: 1.0}})
     src = torch.tensor([[A, A, EOS]])
-    assert greedy_decode(m, src) == [[A]]
-    nbest = beam_search(m, src, beam=2, nbest=2)[0]
+    assert greedy(m, src) == [[A]]
+    nbest = beam(m, src, beam=2, nbest=2)[0]
     assert nbest[0].tokens == [A]
     limit = int(max_lengths(src, 1.2, 10)[0])
     # The other hypothesis never meets </s> and ends at the length limit.
     assert nbest[1].tokens == [A] + [B_] * (limit - 1)
     # With </s> banned, the output has exactly the limit's length (used by the benchmark).
-    assert len(greedy_decode(m, src, stop_at_eos=False)[0]) == limit
-    assert len(beam_search(m, src, beam=2, stop_at_eos=False)[0][0].tokens) == limit
+    assert len(greedy(m, src, stop_at_eos=False)[0]) == limit
+    assert len(beam(m, src, beam=2, stop_at_eos=False)[0][0].tokens) == limit
 
 
 def test_length_limit_is_a_times_source_length_plus_b(model):
     m = ScriptedModel({BOS: {A: 1.0}, A: {A: 1.0}})  # never ends on its own
     src = torch.tensor([[A, A, A, EOS], [A, EOS, PAD, PAD]])  # lengths 4 and 2 (with </s>)
-    assert [len(h) for h in greedy_decode(m, src, max_len_a=2.0, max_len_b=3)] == [11, 7]
-    assert [len(n[0].tokens) for n in beam_search(m, src, beam=3, max_len_a=2.0, max_len_b=3)] == [11, 7]
+    assert [len(h) for h in greedy(m, src, max_len_a=2.0, max_len_b=3)] == [11, 7]
+    assert [len(n[0].tokens) for n in beam(m, src, beam=3, max_len_a=2.0, max_len_b=3)] == [11, 7]
 
 
 def test_length_penalty_changes_the_ranking_as_documented():
@@ -183,7 +186,7 @@ def test_length_penalty_changes_the_ranking_as_documented():
     src = torch.tensor([[A, EOS]])
     short, long = math.log(0.6), math.log(0.4)
     for lenpen, winner in ((0.0, [A]), (1.0, [B_, C, D])):
-        nbest = beam_search(m, src, beam=2, nbest=2, lenpen=lenpen, max_len_a=0, max_len_b=10)[0]
+        nbest = beam(m, src, beam=2, nbest=2, lenpen=lenpen, max_len_a=0, max_len_b=10)[0]
         assert nbest[0].tokens == winner
         by_tokens = {tuple(h.tokens): h for h in nbest}
         assert by_tokens[(A,)].score == pytest.approx(short / 2 ** lenpen, rel=1e-5)
@@ -192,7 +195,7 @@ def test_length_penalty_changes_the_ranking_as_documented():
 
 
 def test_nbest_is_sorted_and_distinct(model, src):
-    for nbest in beam_search(model, src[:4], beam=5, nbest=5):
+    for nbest in beam(model, src[:4], beam=5, nbest=5):
         assert len(nbest) == 5
         assert [h.score for h in nbest] == sorted((h.score for h in nbest), reverse=True)
         assert len({tuple(h.tokens) for h in nbest}) == 5
@@ -203,7 +206,7 @@ def test_nbest_is_sorted_and_distinct(model, src):
 def test_greedy_search_keeps_training_mode(model):
     model.train()
     try:
-        greedy_search(model, encode_batch([[4, 5]], "cpu"))
+        greedy(model, encode_batch([[4, 5]], "cpu"))
         assert model.training
     finally:
         model.eval()
@@ -224,6 +227,6 @@ def test_translate_sentences_keeps_input_order_whatever_the_batching(model):
     big = translate_sentences(model, tok, sentences, EvalConfig(beam=3, batch_tokens=8000))
     small = translate_sentences(model, tok, sentences, EvalConfig(beam=3, batch_tokens=12))
     assert [n[0].text for n in big] == [n[0].text for n in small]
-    direct = search(model, encode_batch([tok.encode_src(s) for s in sentences], "cpu"), {"beam": 3})
+    direct = search(model, encode_batch([tok.encode_src(s) for s in sentences], "cpu"), EvalConfig(beam=3))
     assert [n[0].text for n in big] == [tok.decode_tgt(n[0].tokens) for n in direct]
     assert np.mean([n[0].text == s for n, s in zip(big, sentences)]) >= 0.5  # it copies

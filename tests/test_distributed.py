@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import compose_cfg, train_cmd
-from tests.dist_helpers import (TINY, assert_same_state, assert_same_weights, env_for, files_under, finish,
+from tests.helpers.cli import compose_cfg, train_cmd
+from tests.helpers.dist import (TINY, assert_same_state, assert_same_weights, env_for, files_under, finish,
                                 free_port, last_ckpt, popen, run_cli, spawned_workers, step_files, torchrun,
                                 torchrun_cmd, torchrun_workers, train, wait_for)
 from transformer.data.copy import CopyData
@@ -124,7 +124,7 @@ def test_dist_two_workers_equal_one_worker_accumulating(tmp_path):
     # ... while training moved them by far more than that, so the comparison means something.
     cfg = compose_cfg(*TINY)
     torch.manual_seed(cfg.seed)  # as transformer.train.worker seeds the initial weights
-    init = Transformer(cfg.model, 11, 11, True).state_dict()
+    init = Transformer.from_config(cfg.model, 11, 11, True).state_dict()
     assert max((acc["model"][k] - v).abs().max().item() for k, v in init.items()) > 1000 * ATOL
 
 
@@ -260,7 +260,7 @@ def test_dist_jobs_started_together_get_their_own_run_dirs(tmp_path):
 def test_dist_run_name_differs_within_one_second(monkeypatch):
     """The default run directory name: a random suffix tells apart two jobs of the same second; under
     torchrun it is the rendezvous id, so every restart attempt (and every node) agrees on it."""
-    from transformer import train as train_module
+    from transformer.cli import train as train_module
 
     monkeypatch.setattr(train_module.time, "strftime", lambda fmt: "2024-01-01/00-00-00-")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SHELLCHECK
+from tests.helpers.cli import SHELLCHECK
 
 REPO = Path(__file__).resolve().parents[1]
 TIER = REPO / "docker" / "ci" / "run-docker-tier.sh"

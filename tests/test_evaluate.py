@@ -10,14 +10,15 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
-from data_helpers import MULTI30K, needs_multi30k
+from tests.helpers.data import MULTI30K, needs_multi30k
 from test_decode import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
-from transformer.checkpoint import atomic_save
+from transformer.training.checkpoint import atomic_save
 from transformer.config import EvalConfig
 from transformer.data.copy import CopyTokenizer
-from transformer.dist import DistEnv, free_port
-from transformer.evaluate import main
-from transformer.scoring import valid_bleu
+from transformer.dist import DistEnv
+from tests.helpers.cli import free_port
+from transformer.cli.evaluate import main
+from transformer.tasks.translation import valid_bleu
 
 
 def write_pair(folder: Path, n: int, seed: int):
@@ -80,7 +81,7 @@ def test_bad_input_is_one_line_and_nonzero(setup, argv, message, tmp_path, capsy
     short = tmp_path / "short.en"
     short.write_text("4 5\n", encoding="utf-8")
     argv = [a.format(prefix=prefix, short=short) for a in argv]
-    assert main([str(ckpt), *argv, "--out-dir", str(tmp_path / "out")]) == 1
+    assert main([str(ckpt), *argv, "--out-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
@@ -93,7 +94,7 @@ def fake_data(n: int):
 
 
 def expected_scores(data, cfg, n):
-    from transformer.decode import translate_sentences
+    from transformer.decoding import translate_sentences
     hyps = [h[0].text for h in translate_sentences(copy_model(), data.tokenizer, data.valid_srcs[:n], cfg, "cpu")]
     refs = [data.valid_refs[:n]]
     return sacrebleu.corpus_bleu(hyps, refs).score, sacrebleu.corpus_chrf(hyps, refs).score
@@ -102,7 +103,7 @@ def expected_scores(data, cfg, n):
 def test_valid_bleu_single_process():
     data = fake_data(30)
     cfg = EvalConfig(beam=2, bleu_sentences=20)
-    got = valid_bleu(copy_model(), data, DistEnv(), cfg, torch.device("cpu"))
+    got = valid_bleu(copy_model(), data, DistEnv(), cfg)
     bleu, chrf = expected_scores(data, cfg, 20)
     assert got == {"val_bleu": pytest.approx(bleu), "val_chrf": pytest.approx(chrf)}
     assert 0 < got["val_bleu"] < 100
@@ -112,11 +113,11 @@ def _worker(rank: int, port: int, state_path: str, out_dir: str):
     torch.set_num_threads(1)
     torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
-        from transformer.model import from_args
+        from transformer.model import ModelArgs, Transformer
         ckpt = torch.load(state_path, weights_only=True)
-        model = from_args(ckpt["model_args"])
+        model = Transformer(ModelArgs.from_dict(ckpt["model_args"]))
         model.load_state_dict(ckpt["model"])
-        got = valid_bleu(model, fake_data(25), DistEnv(rank, rank, 2), EvalConfig(beam=2), torch.device("cpu"))
+        got = valid_bleu(model, fake_data(25), DistEnv(rank, rank, 2), EvalConfig(beam=2))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
     finally:
         torch_dist.destroy_process_group()
@@ -142,15 +143,15 @@ def test_multi30k_split_via_data_root(tmp_path, capsys):
     from transformer.model import Transformer
     from transformer.config import ModelConfig
     from test_decode import full_config
-    from transformer.checkpoint import FORMAT
+    from transformer.training.checkpoint import FORMAT
 
     de = read_lines(MULTI30K / "train.de.gz")[:300]
     en = read_lines(MULTI30K / "train.en.gz")[:300]
     tok = SpacyTokenizer.train(de, en, "de", "en", min_freq=1)
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.0), tok.src_vocab_size,
+    model = Transformer.from_config(ModelConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.0), tok.src_vocab_size,
                         tok.tgt_vocab_size)
-    ckpt = {"format": FORMAT, "model_args": model.args, "model": model.state_dict(), "tokenizer": tok.state_dict(),
+    ckpt = {"format": FORMAT, "model_args": model.args.to_dict(), "model": model.state_dict(), "tokenizer": tok.state_dict(),
             "config": full_config(name="multi30k", root="/nonexistent"), "trainer": {"step": 0}}
     atomic_save(ckpt, tmp_path / "m.pt")
     rc = main([str(tmp_path / "m.pt"), "--split", "test_2016_flickr", "--data-root", str(MULTI30K),

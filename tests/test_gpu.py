@@ -2,11 +2,12 @@
 import pytest
 import torch
 
-from tests.conftest import compose_cfg
+from tests.helpers.cli import compose_cfg
 from transformer.data.copy import CopyData
 from transformer.dist import DistEnv
 from transformer.model import Transformer
-from transformer.trainer import Trainer, autocast_dtype
+from transformer.tasks import build_task
+from transformer.training.trainer import Trainer, autocast_dtype
 
 pytestmark = pytest.mark.gpu
 
@@ -16,8 +17,8 @@ def make_trainer(tmp_path, precision):
                       f"trainer.precision={precision}", "trainer.progress=false")
     env = DistEnv(device=torch.device("cuda", 0))
     data = CopyData(cfg, cfg.seed, 0, 1)
-    model = Transformer(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-    return Trainer(cfg, env, model, data, tmp_path)
+    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    return Trainer(cfg, env, model, data, build_task(cfg), tmp_path)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
@@ -47,7 +48,7 @@ def test_flash_attention_kernel_runs_for_causal_self_attention():
 
 
 def test_gpu_stats_report_memory_and_nvml_utilisation():
-    from transformer.logs import gpu_stats
+    from transformer.training.logs import gpu_stats
 
     x = torch.ones(1024, 1024, device="cuda")
     stats = gpu_stats(torch.device("cuda", 0))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import SHELLCHECK
+from tests.helpers.cli import SHELLCHECK, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
@@ -277,13 +277,6 @@ def stand_in(tmp_path):
     out.mkdir()
     env = clean_env(TORCHRUN=str(TORCHRUN), OUT_DIR=str(out), PYTHONPATH=str(tmp_path))
     return tmp_path, out, env
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.distributed

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from transformer.loss import label_smoothed_cross_entropy
-from transformer.optim import NoamSchedule, noam_lr
+from transformer.training.loss import label_smoothed_cross_entropy
+from transformer.training.optim import NoamSchedule, noam_lr
 
 
 def test_noam_values_at_chosen_steps():

@@ -5,14 +5,14 @@ import torch
 
 from transformer.config import ModelConfig
 from transformer.data.batch import PAD
-from transformer.layers import MultiHeadAttention
-from transformer.model import Transformer, from_args
+from transformer.model.layers import MultiHeadAttention
+from transformer.model import ModelArgs, Transformer
 
 
 def make_model(norm_first=False, tie="decoder", V=23, shared=True):
     torch.manual_seed(0)
     cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, norm_first=norm_first, tie_embeddings=tie)
-    return Transformer(cfg, V, V, shared).eval()
+    return Transformer.from_config(cfg, V, V, shared).eval()
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
@@ -78,7 +78,7 @@ def test_attention_matches_plain_softmax_reference(causal):
         q, (k, v) = attn.split_heads(attn.q_proj(x)), attn.project_kv(mem)
     ref = reference_attention(q, k, v, mask).transpose(1, 2).reshape(2, 5, 24)
     assert torch.allclose(out, attn.out_proj(ref), atol=1e-5)
-    attn.store_attention = True  # the explicit path used for plots agrees too
+    attn.keep_attention = True  # the explicit path used for plots agrees too
     again = attn(x, is_causal=True) if causal else attn(x, mem, mask=key_pad)
     assert torch.allclose(again, out, atol=1e-5)
     assert torch.allclose(attn.last_attention.sum(-1), torch.ones(2, 3, 5))
@@ -108,9 +108,9 @@ def test_tie_all_needs_shared_vocabulary():
         make_model(tie="all", shared=False)
 
 
-def test_rebuild_from_args():
+def test_rebuild_from_model_args():
     model = make_model()
-    clone = from_args(model.args)
+    clone = Transformer(ModelArgs.from_dict(model.args.to_dict()))
     clone.load_state_dict(model.state_dict())
     src, tgt = torch.randint(4, 23, (2, 5)), torch.randint(4, 23, (2, 4))
     assert torch.equal(clone.eval()(src, tgt), model(src, tgt))

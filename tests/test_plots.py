@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from test_decode import copy_checkpoint, one_thread  # noqa: F401
-from transformer.checkpoint import atomic_save
-from transformer.config import ModelConfig
+from transformer.training.checkpoint import atomic_save
+from transformer.config import EvalConfig, ModelConfig
 from transformer.data.copy import CopyTokenizer
 from transformer.model import Transformer
-from transformer.plots import attention_maps, log_figures, main, read_metrics, series
+from transformer.cli.plot import main
+from transformer.training.plots import attention_maps, log_figures, read_metrics, series
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -32,7 +33,7 @@ def write_metrics(path):
 def run_dir(tmp_path):
     write_metrics(tmp_path / "metrics.jsonl")
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0), 12, 12, shared_vocab=True)
+    model = Transformer.from_config(ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0), 12, 12, shared_vocab=True)
     atomic_save(copy_checkpoint(model), tmp_path / "checkpoints" / "last.pt")
     return tmp_path
 
@@ -59,8 +60,8 @@ def test_plot_command_writes_nonempty_pngs(run_dir, capsys):
 
 def test_attention_maps_are_distributions_of_the_right_shape(run_dir):
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0), 12, 12, shared_vocab=True)
-    src, tgt, maps = attention_maps(model, CopyTokenizer(12), "4 5 6 7", max_len_a=0, max_len_b=3)
+    model = Transformer.from_config(ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0), 12, 12, shared_vocab=True)
+    src, tgt, maps = attention_maps(model, CopyTokenizer(12), "4 5 6 7", EvalConfig(max_len_a=0, max_len_b=3))
     S, T = len(src), len(tgt)
     assert src == ["4", "5", "6", "7", "</s>"] and tgt[0] == "<s>" and T <= 4
     assert maps["encoder"][0].shape == (4, S, S) and maps["cross"][1].shape == (4, T, S)
@@ -71,11 +72,11 @@ def test_attention_maps_are_distributions_of_the_right_shape(run_dir):
 
 def test_log_figures_adds_images_to_tensorboard(run_dir, tmp_path):
     from torch.utils.tensorboard import SummaryWriter
-    from transformer.plots import read_metrics as rm
+    from transformer.training.plots import read_metrics as rm
 
     writer = SummaryWriter(str(tmp_path / "tb"))
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.0), 12, 12, shared_vocab=True)
+    model = Transformer.from_config(ModelConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.0), 12, 12, shared_vocab=True)
     tags = log_figures(writer, rm(run_dir / "metrics.jsonl"), model=model, tokenizer=CopyTokenizer(12),
                        sentence="4 5", step=200)
     writer.close()
@@ -88,16 +89,16 @@ def test_log_figures_adds_images_to_tensorboard(run_dir, tmp_path):
 
 
 def test_nothing_to_plot_is_an_error(tmp_path, capsys):
-    assert main([str(tmp_path)]) == 1
+    assert main([str(tmp_path)]) == 2
     assert "nothing to plot" in capsys.readouterr().err
-    assert main([str(tmp_path / "missing")]) == 1
+    assert main([str(tmp_path / "missing")]) == 2
 
 
 def test_deep_model_keeps_few_figures_open(run_dir, tmp_path, monkeypatch):
     """27 figures for an 8-layer model: drawn one at a time, so matplotlib never warns about >20 open
     figures and nothing stays open afterwards (the trainer draws these at the end of every run)."""
     import matplotlib.pyplot as plt
-    from transformer import plots
+    from transformer.training import plots
 
     most_open = []
     real_heads_figure = plots.heads_figure
@@ -109,7 +110,7 @@ def test_deep_model_keeps_few_figures_open(run_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(plots, "heads_figure", counting)
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(N=8, d_model=16, d_ff=32, h=2, dropout=0.0), 12, 12, shared_vocab=True)
+    model = Transformer.from_config(ModelConfig(N=8, d_model=16, d_ff=32, h=2, dropout=0.0), 12, 12, shared_vocab=True)
     paths = plots.save_figures(plots.chain(plots.curve_figures(read_metrics(run_dir / "metrics.jsonl")).items(),
                                            plots.attention_figures(model, CopyTokenizer(12), "4 5")),
                                tmp_path / "png")

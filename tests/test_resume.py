@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.dist_helpers import assert_same_state, last_ckpt, step_files, train
+from tests.helpers.dist import assert_same_state, last_ckpt, step_files, train
 
 pytestmark = pytest.mark.slow
 

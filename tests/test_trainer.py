@@ -4,13 +4,14 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import compose_cfg
-from transformer.checkpoint import CheckpointError, Checkpointer, atomic_save, load_checkpoint, load_model
+from tests.helpers.cli import compose_cfg
+from transformer.training.checkpoint import CheckpointError, Checkpointer, atomic_save, load_checkpoint, load_model
 from transformer.data.batch import PairDataset, Ragged, collate
 from transformer.data.copy import CopyData
 from transformer.dist import DistEnv
 from transformer.model import Transformer
-from transformer.trainer import Trainer
+from transformer.tasks import build_task
+from transformer.training.trainer import Trainer
 
 SMALL = ["experiment=copy", "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2",
          "data.copy.train_size=256", "data.copy.val_size=32", "data.copy.test_size=32", "data.max_tokens=200",
@@ -21,8 +22,8 @@ def make_trainer(tmp_path, *overrides, seed_model=0):
     cfg = compose_cfg(*SMALL, *overrides)
     data = CopyData(cfg, cfg.seed, 0, 1)
     torch.manual_seed(seed_model)
-    model = Transformer(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-    return Trainer(cfg, DistEnv(), model, data, tmp_path)
+    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    return Trainer(cfg, DistEnv(), model, data, build_task(cfg), tmp_path)
 
 
 def ragged_pairs(n, seed):

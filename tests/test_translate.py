@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from test_decode import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
-from transformer.checkpoint import atomic_save
+from transformer.training.checkpoint import atomic_save
 from transformer.config import EvalConfig
 from transformer.data.copy import CopyTokenizer
-from transformer.decode import translate_sentences
-from transformer.translate import main
+from transformer.decoding import translate_sentences
+from transformer.cli.translate import main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,7 @@ def test_bad_input_is_one_line_and_nonzero(argv, message, ckpt_path, tmp_path, c
     garbage.write_bytes(b"not a checkpoint")
     out = tmp_path / "out.txt"
     argv = [a.format(missing=tmp_path / "nope.pt", ckpt=ckpt_path, garbage=garbage) for a in argv]
-    assert main(argv + ["--output", str(out)]) == 1
+    assert main(argv + ["--output", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and err[0].startswith("transformer-translate: error:")
     assert not out.exists()
@@ -83,13 +83,13 @@ def test_mismatched_weights_are_refused(tmp_path, capsys):
     ckpt["model_args"] = dict(ckpt["model_args"], d_ff=128)  # weights no longer fit the architecture
     path = tmp_path / "bad.pt"
     atomic_save(ckpt, path)
-    assert main([str(path)]) == 1
+    assert main([str(path)]) == 2
     assert "broken checkpoint" in capsys.readouterr().err
 
 
 def test_interactive_answers_each_line_before_the_next_arrives(ckpt_path, sentences):
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.Popen([sys.executable, "-m", "transformer.translate", str(ckpt_path), "--interactive",
+    proc = subprocess.Popen([sys.executable, "-m", "transformer.cli.translate", str(ckpt_path), "--interactive",
                              "--beam", "2", "--threads", "1"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     try:

@@ -1,15 +1,23 @@
-"""Structured-config schemas for every Hydra config group, registered in the ConfigStore.
+"""Structured-config schemas: the one home of every default, registered in the ConfigStore.
 
-A typo or a wrong type in an override fails at composition with the full key, e.g.
-``Key 'lrr' not in 'OptimConfig'``. `validate()` adds the checks a type cannot express.
+The files under conf/ hold only what differs from these dataclasses (a model size, a dataset, an
+experiment). A typo or a wrong type in an override fails at composition with the full key, e.g.
+``Key 'lrr' not in 'OptimConfig'``; the `check_*` functions beside the schemas add the checks a type
+cannot express, and `validate()` runs them all.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from transformer.data.config import DataConfig, TokenizerConfig
+
+
+# An absolute path: Hydra reads a relative config_path as a Python package, which fails outside the repository.
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+TIE_EMBEDDINGS = ("none", "decoder", "all")
 
 
 class ConfigError(ValueError):
@@ -65,7 +73,7 @@ class TrainerConfig:
 class CheckpointConfig:
     every_steps: int = 1000  # also written at every epoch end and on preemption
     keep_last: int = 3
-    best_metric: str = "val_loss"  # val_loss | val_bleu | val_accuracy
+    best_metric: str = "val_loss"  # val_loss, or a score the task measures (val_bleu, val_chrf, val_accuracy)
 
 
 @dataclass
@@ -84,13 +92,15 @@ class EvalConfig:
 
 @dataclass
 class Config:
+    """The whole run. `model`, `data` and `tokenizer` are chosen from conf/ groups (files there hold only what
+    differs from these schemas); the other sections are set by key (`trainer.max_steps=...`) or by experiments."""
     model: ModelConfig = MISSING
-    optim: OptimConfig = MISSING
-    trainer: TrainerConfig = MISSING
     data: DataConfig = MISSING
     tokenizer: TokenizerConfig = MISSING
-    checkpoint: CheckpointConfig = MISSING
-    eval: EvalConfig = MISSING
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 1234
 
 
@@ -104,19 +114,23 @@ def _check(ok: bool, key: str, value: Any, why: str) -> None:
         raise ConfigError(f"{key}={value!r}: {why}")
 
 
-def validate(cfg: DictConfig) -> None:
-    """Checks a schema's types cannot express; raises ConfigError naming the full key."""
-    m, o, t, d = cfg.model, cfg.optim, cfg.trainer, cfg.data
-    for key in ("N", "d_model", "d_ff", "h", "max_positions"):
-        _check(m[key] > 0, f"model.{key}", m[key], "must be positive")
-    _check(m.d_model % m.h == 0, "model.d_model", m.d_model, f"must be divisible by model.h={m.h}")
-    _check(0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
-    _check(m.tie_embeddings in ("none", "decoder", "all"), "model.tie_embeddings", m.tie_embeddings,
-           "must be none, decoder or all")
+def check_model(m, key: str = "model") -> None:
+    for name in ("N", "d_model", "d_ff", "h", "max_positions"):
+        _check(m[name] > 0, f"{key}.{name}", m[name], "must be positive")
+    _check(m.d_model % m.h == 0, f"{key}.d_model", m.d_model, f"must be divisible by {key}.h={m.h}")
+    _check(0 <= m.dropout < 1, f"{key}.dropout", m.dropout, "must be in [0, 1)")
+    _check(m.tie_embeddings in TIE_EMBEDDINGS, f"{key}.tie_embeddings", m.tie_embeddings,
+           "must be " + ", ".join(TIE_EMBEDDINGS))
+
+
+def check_optim(o) -> None:
     _check(o.name == "adam_noam", "optim.name", o.name, "the only optimiser is adam_noam")
     _check(o.warmup > 0, "optim.warmup", o.warmup, "must be > 0")
     _check(o.factor > 0, "optim.factor", o.factor, "must be > 0")
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2", (o.beta1, o.beta2), "must be in [0, 1)")
+
+
+def check_trainer(t) -> None:
     _check(t.accumulate >= 1, "trainer.accumulate", t.accumulate, "must be >= 1")
     _check(t.max_steps is None or t.max_steps > 0, "trainer.max_steps", t.max_steps, "must be > 0 or null")
     _check(t.max_epochs is None or t.max_epochs > 0, "trainer.max_epochs", t.max_epochs, "must be > 0 or null")
@@ -132,15 +146,42 @@ def validate(cfg: DictConfig) -> None:
     _check(t.precision in ("auto", "fp32", "bf16", "fp16"), "trainer.precision", t.precision,
            "must be auto, fp32, bf16 or fp16")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")
+
+
+def check_data(d) -> None:
     _check(d.max_tokens > 0, "data.max_tokens", d.max_tokens, "must be > 0")
     _check(d.max_sentences is None or d.max_sentences > 0, "data.max_sentences", d.max_sentences, "must be > 0")
     _check(d.bad_pairs in ("skip", "error"), "data.bad_pairs", d.bad_pairs, "must be skip or error")
-    _check(cfg.checkpoint.every_steps > 0, "checkpoint.every_steps", cfg.checkpoint.every_steps, "must be > 0")
-    _check(cfg.checkpoint.keep_last >= 1, "checkpoint.keep_last", cfg.checkpoint.keep_last, "must be >= 1")
-    _check(cfg.checkpoint.best_metric in ("val_loss", "val_bleu", "val_accuracy"), "checkpoint.best_metric",
-           cfg.checkpoint.best_metric, "must be val_loss, val_bleu or val_accuracy")
-    _check(cfg.eval.beam >= 1, "eval.beam", cfg.eval.beam, "must be >= 1")
-    _check(1 <= cfg.eval.nbest <= cfg.eval.beam, "eval.nbest", cfg.eval.nbest, "must be in [1, eval.beam]")
+
+
+def check_checkpoint(c) -> None:
+    _check(c.every_steps > 0, "checkpoint.every_steps", c.every_steps, "must be > 0")
+    _check(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "must be >= 1")
+
+
+def check_eval(e, key: str = "eval") -> None:
+    """Also used by the translate/evaluate commands on their EvalConfig (their messages name the flag)."""
+    _check(e.beam >= 1, f"{key}.beam", e.beam, "must be >= 1")
+    _check(1 <= e.nbest <= e.beam, f"{key}.nbest", e.nbest, f"must be between 1 and {key}.beam={e.beam}")
+    _check(e.batch_tokens >= 1, f"{key}.batch_tokens", e.batch_tokens, "must be >= 1")
+    _check(e.max_len_a >= 0 and e.max_len_b >= 0, f"{key}.max_len_a/max_len_b", (e.max_len_a, e.max_len_b),
+           "must be >= 0")
+
+
+def validate(cfg: DictConfig) -> None:
+    """Checks a schema's types cannot express; raises ConfigError naming the full key. Whether
+    checkpoint.best_metric is measured depends on the task: `transformer.tasks` checks it."""
+    check_model(cfg.model)
+    check_optim(cfg.optim)
+    check_trainer(cfg.trainer)
+    check_data(cfg.data)
+    check_checkpoint(cfg.checkpoint)
+    check_eval(cfg.eval)
+
+
+def eval_from_dict(saved: Optional[dict]) -> EvalConfig:
+    """An EvalConfig from a checkpoint's saved `eval` section (keys unknown to this version are ignored)."""
+    return EvalConfig(**{k: v for k, v in (saved or {}).items() if k in EvalConfig.__dataclass_fields__})
 
 
 def to_container(cfg: DictConfig) -> dict:

@@ -8,7 +8,6 @@ import datetime
 import functools
 import logging
 import os
-import socket
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional
 
@@ -43,13 +42,6 @@ class DistEnv:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
         torch_dist.all_reduce(t)
-        return t.tolist()
-
-    def all_reduce_max(self, values: List[float]) -> List[float]:
-        if not self.distributed:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
-        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
         return t.tolist()
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -170,9 +162,3 @@ def close() -> None:
         torch_dist.destroy_process_group()
     _ENV = DistEnv()
 
-
-def free_port() -> int:
-    """A port the kernel just handed out on 127.0.0.1 (for the spawn path's store)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

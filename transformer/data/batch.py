@@ -6,9 +6,7 @@ from typing import List, Sequence, Tuple
 import numpy as np
 import torch
 
-# Special token ids, the same in every vocabulary of this project.
-PAD, UNK, BOS, EOS = 0, 1, 2, 3
-SPECIALS = ["<pad>", "<unk>", "<s>", "</s>"]
+from transformer.specials import BOS, EOS, PAD, SPECIALS, UNK  # noqa: F401 (re-exported for the data package)
 
 
 class Ragged:

@@ -41,7 +41,7 @@ class DataConfig:
 
 @dataclass
 class TokenizerConfig:
-    """Ids 0..3 are <pad> <unk> <s> </s> in every vocabulary (transformer/data/batch.py)."""
+    """Ids 0..3 are <pad> <unk> <s> </s> in every vocabulary (transformer/specials.py)."""
     name: str = "spacy"  # spacy (word-level, one vocabulary per language) | bpe (one shared subword vocabulary)
     min_freq: int = 2  # spacy: words seen fewer times in train map to <unk>; bpe: least frequent merge kept
     max_vocab: Optional[int] = None  # spacy: keep at most this many words per language (specials included)

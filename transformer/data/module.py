@@ -4,7 +4,7 @@ from typing import Iterable, List, Optional, Sequence
 import numpy as np
 import torch
 
-from transformer.data.batch import PAD, Batch, PairDataset, collate
+from transformer.data.batch import Batch, PairDataset, collate
 from transformer.data.sampler import TokenBatchSampler
 
 
@@ -29,8 +29,6 @@ class DataModule:
                                                seed=seed, rank=rank, world_size=world_size, shuffle=True)
         self.valid_sampler = TokenBatchSampler(valid.src_sizes, valid.tgt_sizes, max_tokens, max_sentences,
                                                seed=seed, rank=rank, world_size=world_size, shuffle=False)
-
-    pad_id = PAD
 
     @property
     def src_vocab_size(self) -> int:

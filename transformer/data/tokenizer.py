@@ -1,6 +1,6 @@
 """Tokenizers: word-level spaCy vocabularies (the Annotated Transformer's setup) and shared BPE (the paper's).
 
-Every vocabulary starts with the specials <pad> <unk> <s> </s> at ids 0, 1, 2, 3 (transformer/data/batch.py).
+Every vocabulary starts with the specials <pad> <unk> <s> </s> at ids 0, 1, 2, 3 (transformer/specials.py).
 Encoders add no specials: the collate function appends </s> to the source and frames the target.
 `state_dict()` holds primitives only, so a checkpoint alone rebuilds the tokenizer (`tokenizer_from_state`).
 """

@@ -13,80 +13,14 @@ import time
 from pathlib import Path
 from typing import Iterator, List, Optional, TextIO
 
-import torch
-
 from transformer.atomic import atomic_open
-from transformer.checkpoint import CheckpointError, load_checkpoint
+from transformer.cli.common import UsageError, add_decoding_args, eval_config, pick_device, run_command
 from transformer.config import EvalConfig
-from transformer.decode import translate_sentences
+from transformer.decoding import translate_sentences
+from transformer.training.checkpoint import load_model
 
 PROG = "transformer-translate"
 
-
-class UsageError(Exception):
-    """Bad input from the user: reported as one line, exit status 1."""
-
-
-def add_decoding_args(parser: argparse.ArgumentParser, default_beam: Optional[int] = 5) -> None:
-    g = parser.add_argument_group("decoding (defaults: the checkpoint's eval config, beam 5)")
-    g.add_argument("--beam", type=int, default=default_beam, help="beam size; 1 = greedy (default: %(default)s)")
-    g.add_argument("--lenpen", type=float, help="length penalty: hypotheses rank by logprob / length**lenpen")
-    g.add_argument("--max-len-a", type=float, help="output limit a * source_length + b: the a")
-    g.add_argument("--max-len-b", type=int, help="output limit a * source_length + b: the b")
-    g.add_argument("--nbest", type=int, help="hypotheses written per sentence")
-    g.add_argument("--batch-tokens", type=int, help="source tokens per batch, padding included")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
-    g.add_argument("--threads", type=int, help="CPU threads of torch (default: torch's choice)")
-
-
-def eval_config(args: argparse.Namespace, ckpt: dict) -> EvalConfig:
-    """The checkpoint's `eval` settings with the command-line options on top."""
-    saved = dict((ckpt.get("config") or {}).get("eval") or {})
-    known = EvalConfig.__dataclass_fields__
-    cfg = EvalConfig(**{k: v for k, v in saved.items() if k in known})
-    for key in ("beam", "lenpen", "max_len_a", "max_len_b", "nbest", "batch_tokens"):
-        value = getattr(args, key)
-        if value is not None:
-            setattr(cfg, key, value)
-    if args.nbest is None:
-        cfg.nbest = min(cfg.nbest, cfg.beam)
-    if cfg.beam < 1:
-        raise UsageError(f"--beam {cfg.beam}: must be >= 1")
-    if not 1 <= cfg.nbest <= cfg.beam:
-        raise UsageError(f"--nbest {cfg.nbest}: must be between 1 and --beam ({cfg.beam})")
-    if cfg.batch_tokens < 1:
-        raise UsageError(f"--batch-tokens {cfg.batch_tokens}: must be >= 1")
-    return cfg
-
-
-def pick_device(name: str, threads: Optional[int] = None) -> torch.device:
-    if threads is not None:
-        if threads < 1:
-            raise UsageError(f"--threads {threads}: must be >= 1")
-        torch.set_num_threads(threads)
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch sees no CUDA GPU")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
-def load(path, device: torch.device):
-    """(model in eval mode, tokenizer, checkpoint dict); a bad file raises UsageError."""
-    from transformer.data.tokenizer import tokenizer_from_state
-    from transformer.model import from_args
-
-    try:
-        ckpt = load_checkpoint(path)
-        tokenizer = tokenizer_from_state(ckpt["tokenizer"])
-        model = from_args(ckpt["model_args"])
-        model.load_state_dict(ckpt["model"])
-    except CheckpointError as e:
-        raise UsageError(str(e)) from None
-    except (KeyError, ValueError, RuntimeError) as e:  # not our layout, or weights that do not fit model_args
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path}: broken checkpoint ({type(e).__name__}: {first})") from None
-    return model.to(device).eval(), tokenizer, ckpt
 
 
 def read_chunks(stream: TextIO, size: Optional[int], name: str) -> Iterator[List[str]]:
@@ -157,13 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+    return run_command(PROG, lambda: run(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if args.input and not Path(args.input).is_file():
         raise UsageError(f"--input {args.input}: no such file")
     device = pick_device(args.device, args.threads)
-    model, tokenizer, ckpt = load(args.checkpoint, device)
+    model, tokenizer, ckpt = load_model(args.checkpoint, device)
     cfg = eval_config(args, ckpt)
     for stream in (sys.stdin, sys.stdout):
         if hasattr(stream, "reconfigure"):

@@ -2,7 +2,6 @@
 spawned workers, torchrun), finding worker pids in /proc, and comparing checkpoints bit for bit."""
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,8 +10,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from tests.conftest import cli_env, train_cmd
-from transformer.checkpoint import load_checkpoint
+from tests.helpers.cli import cli_env, free_port, train_cmd
+from transformer.training.checkpoint import load_checkpoint
 
 # A model and data small enough that a run is dominated by interpreter start-up. 640 copy examples make
 # 6 token-batches for any world size in {1, 2} (no batch needs splitting), so 1 worker with accumulate=2
@@ -33,12 +32,6 @@ def env_for(**extra) -> dict:
             del env[k]
     env.update(extra)
     return env
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_cmd(*overrides: str, nproc: int = 2, nnodes: int = 1, rdzv_id: Optional[str] = None,

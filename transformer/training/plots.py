@@ -1,7 +1,5 @@
-"""Figures of a run: loss, BLEU and learning rate against steps, and attention heatmaps for one sentence.
-
-    transformer-plot outputs/run                                  # -> outputs/run/plots/*.png
-    transformer-plot outputs/run --sentence "Ein Hund rennt ."    # + attention maps (best.pt or last.pt)
+"""Figures of a run: loss, BLEU and learning rate against steps, and attention heatmaps for one sentence
+(drawn into PNG files by `transformer-plot`, into TensorBoard by the trainer at the end of a run).
 
 Curves come from RUN_DIR/metrics.jsonl (one JSON object per line with "split" and "step"; missing keys
 and unreadable lines are skipped). Attention maps are drawn as in the Annotated Transformer: per layer,
@@ -9,12 +7,10 @@ one heatmap per head, for the encoder self-attention, the decoder self-attention
 encoder-decoder (cross) attention, on the model's own greedy translation of the sentence.
 `log_figures` puts the same figures into a TensorBoard SummaryWriter.
 """
-import argparse
 import json
 import math
-import sys
-from pathlib import Path
 from itertools import chain
+from pathlib import Path
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import matplotlib
@@ -24,9 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 from transformer.atomic import atomic_open  # noqa: E402
-from transformer.data.batch import BOS  # noqa: E402
-
-PROG = "transformer-plot"
+from transformer.config import EvalConfig  # noqa: E402
+from transformer.specials import BOS  # noqa: E402
 
 
 def read_metrics(path) -> List[dict]:
@@ -97,7 +92,7 @@ def lr_figure(records, cfg: Optional[dict] = None):
     """Learning rate logged during training, and Equation (3) of the paper from the run's config."""
     lines = [("logged", *series(records, "train", "lr"), ".")]
     if cfg and "model" in cfg and "optim" in cfg:
-        from transformer.optim import noam_lr
+        from transformer.training.optim import noam_lr
 
         last = max([r["step"] for r in records if isinstance(r.get("step"), (int, float))] or [0])
         end = int(max(last, (cfg.get("trainer") or {}).get("max_steps") or 0, 2 * cfg["optim"]["warmup"]))
@@ -119,26 +114,28 @@ def _labels(tokenizer, ids: Sequence[int], side: str) -> List[str]:
 
 
 @torch.no_grad()
-def attention_maps(model, tokenizer, sentence: str, max_len_a: float = 1.2, max_len_b: int = 10):
-    """Greedy translation of `sentence` and the attention weights of every layer on it:
+def attention_maps(model, tokenizer, sentence: str, ev: Optional[EvalConfig] = None):
+    """Greedy translation of `sentence` (output limit from the EvalConfig `ev`, default: the schema's) and the
+    attention weights of every layer on it:
     (src labels, tgt labels, {"encoder": [(h, S, S)] * N, "decoder": [(h, T, T)] * N, "cross": [(h, T, S)] * N})."""
-    from transformer.decode import encode_batch, greedy_decode
+    from transformer.decoding import encode_batch, greedy_decode
 
+    ev = ev or EvalConfig()
     device = next(model.parameters()).device
     src_ids = list(tokenizer.encode_src(sentence))
     src = encode_batch([src_ids], device)  # (1, S)
-    hyp = greedy_decode(model, src, max_len_a, max_len_b)[0]
+    hyp = greedy_decode(model, src, ev.max_len_a, ev.max_len_b)[0]
     tgt_in = torch.tensor([[BOS] + hyp], dtype=torch.long, device=device)  # (1, T)
     was_training = model.training
     model.eval()
-    model.store_attention(True)
+    model.record_attention(True)
     try:
         model(src, tgt_in)
         maps = {"encoder": [layer.self_attn.last_attention[0].float().cpu() for layer in model.encoder],
                 "decoder": [layer.self_attn.last_attention[0].float().cpu() for layer in model.decoder],
                 "cross": [layer.cross_attn.last_attention[0].float().cpu() for layer in model.decoder]}
     finally:
-        model.store_attention(False)
+        model.record_attention(False)
         model.train(was_training)
     src_labels = _labels(tokenizer, src_ids, "src") + ["</s>"]
     tgt_labels = ["<s>"] + _labels(tokenizer, hyp, "tgt")
@@ -167,11 +164,11 @@ def heads_figure(weights: torch.Tensor, rows: List[str], cols: List[str], title:
     return fig
 
 
-def attention_figures(model, tokenizer, sentence: str, max_len_a: float = 1.2,
-                      max_len_b: int = 10) -> Iterator[Tuple[str, object]]:
+def attention_figures(model, tokenizer, sentence: str,
+                      ev: Optional[EvalConfig] = None) -> Iterator[Tuple[str, object]]:
     """("attention_encoder_layer1", Figure), ...: every layer of the three attention kinds. A generator, so
     a consumer that closes each figure keeps one open at a time (a big model has dozens of layers)."""
-    src, tgt, maps = attention_maps(model, tokenizer, sentence, max_len_a, max_len_b)
+    src, tgt, maps = attention_maps(model, tokenizer, sentence, ev)
     for kind, rows, cols, what in (("encoder", src, src, "Encoder self-attention"),
                                    ("decoder", tgt, tgt, "Decoder self-attention"),
                                    ("cross", tgt, src, "Encoder-decoder attention")):
@@ -195,15 +192,16 @@ def save_figures(figs: Iterable[Tuple[str, object]], out_dir: Path) -> List[Path
 
 
 def log_figures(writer, records: Optional[Sequence[dict]] = None, run_dir=None, cfg: Optional[dict] = None,
-                model=None, tokenizer=None, sentence: Optional[str] = None, step: Optional[int] = None) -> List[str]:
+                model=None, tokenizer=None, sentence: Optional[str] = None, step: Optional[int] = None,
+                ev=None) -> List[str]:
     """Adds the curve figures (from `records`, or RUN_DIR/metrics.jsonl) and, with model, tokenizer and
-    sentence, the attention maps to a TensorBoard SummaryWriter as images under "plots/NAME". Returns
+    sentence (and `ev`, the EvalConfig bounding its translation), the attention maps to a TensorBoard SummaryWriter as images under "plots/NAME". Returns
     the tags written. Call on rank 0 only."""
     if records is None and run_dir is not None and (Path(run_dir) / "metrics.jsonl").is_file():
         records = read_metrics(Path(run_dir) / "metrics.jsonl")
     figs = curve_figures(records or [], cfg).items()
     if model is not None and tokenizer is not None and sentence:
-        figs = chain(figs, attention_figures(model, tokenizer, sentence))
+        figs = chain(figs, attention_figures(model, tokenizer, sentence, ev))
     tags = []
     for name, fig in figs:
         writer.add_figure(f"plots/{name}", fig, global_step=step, close=True)
@@ -211,63 +209,6 @@ def log_figures(writer, records: Optional[Sequence[dict]] = None, run_dir=None, 
     return tags
 
 
-def _find_checkpoint(run_dir: Path) -> Optional[Path]:
-    for name in ("best.pt", "last.pt"):
-        if (run_dir / "checkpoints" / name).is_file():
-            return run_dir / "checkpoints" / name
-    return None
-
-
-def run(args) -> List[Path]:
-    from transformer.translate import UsageError, load
-
-    run_dir = Path(args.run_dir)
-    if not run_dir.is_dir():
-        raise UsageError(f"{run_dir}: no such run directory")
-    out_dir = Path(args.out_dir) if args.out_dir else run_dir / "plots"
-    metrics = run_dir / "metrics.jsonl"
-    ckpt_path = Path(args.checkpoint) if args.checkpoint else _find_checkpoint(run_dir)
-    model = tokenizer = ckpt = None
-    if ckpt_path is not None and (args.sentence or args.checkpoint):
-        model, tokenizer, ckpt = load(ckpt_path, torch.device("cpu"))
-    cfg = (ckpt or {}).get("config")
-    if cfg is None and (run_dir / ".hydra" / "config.yaml").is_file():
-        from omegaconf import OmegaConf
-        cfg = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"), resolve=False)
-    curves = curve_figures(read_metrics(metrics), cfg) if metrics.is_file() else {}
-    if not curves and not args.sentence:
-        raise UsageError(f"nothing to plot: {metrics} is missing or holds no curves, and no --sentence was given")
-    figs = curves.items()
-    if args.sentence:
-        if model is None:
-            for fig in curves.values():
-                plt.close(fig)
-            raise UsageError(f"--sentence needs a checkpoint: none in {run_dir / 'checkpoints'}, give --checkpoint")
-        ev = (cfg or {}).get("eval") or {}
-        figs = chain(figs, attention_figures(model, tokenizer, args.sentence, ev.get("max_len_a", 1.2),
-                                             ev.get("max_len_b", 10)))
-    return save_figures(figs, out_dir)
-
-
-def main(argv=None) -> int:
-    from transformer.translate import UsageError
-
-    p = argparse.ArgumentParser(prog=PROG, description="PNG plots of a training run and of attention weights.")
-    p.add_argument("run_dir", help="run directory (holds metrics.jsonl and checkpoints/)")
-    p.add_argument("--checkpoint",
-                   help="checkpoint for attention maps (default: RUN_DIR/checkpoints/best.pt, else last.pt)")
-    p.add_argument("--sentence", help="source sentence whose attention maps are drawn")
-    p.add_argument("--out-dir", help="where the PNG files go (default: RUN_DIR/plots)")
-    args = p.parse_args(argv)
-    try:
-        paths = run(args)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
-    for path in paths:
-        print(path)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def close_figures(figs) -> None:
+    for fig in figs:
+        plt.close(fig)

@@ -15,19 +15,18 @@ from typing import Optional
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from transformer import scoring
-from transformer.checkpoint import FORMAT, Checkpointer, CheckpointError, load_checkpoint
-from transformer.config import ConfigError, to_container
-from transformer.data.batch import PAD
+from transformer import exit_codes
+from transformer.config import to_container
 from transformer.dist import DistEnv, rank_zero
-from transformer.logs import MetricsLogger, Progress, gpu_stats
-from transformer.loss import label_smoothed_cross_entropy
-from transformer.optim import build_optimizer
+from transformer.specials import PAD
+from transformer.tasks import Task
+from transformer.training.checkpoint import FORMAT, Checkpointer, CheckpointError, load_checkpoint
+from transformer.training.logs import MetricsLogger, Progress, gpu_stats
+from transformer.training.loss import label_smoothed_cross_entropy
+from transformer.training.optim import build_optimizer
 
 log = logging.getLogger(__name__)
 
-PREEMPTED_EXIT_CODE = 3  # a signal asked us to stop; a checkpoint was written; rerun the same command to resume
-HIGHER_IS_BETTER = {"val_loss": False, "val_bleu": True, "val_accuracy": True}
 
 
 def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
@@ -39,8 +38,8 @@ def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype
 
 
 class Trainer:
-    def __init__(self, cfg, env: DistEnv, model: torch.nn.Module, data, run_dir: Optional[Path]):
-        self.cfg, self.env, self.data, self.run_dir = cfg, env, data, run_dir
+    def __init__(self, cfg, env: DistEnv, model: torch.nn.Module, data, task: Task, run_dir: Optional[Path]):
+        self.cfg, self.env, self.data, self.task, self.run_dir = cfg, env, data, task, run_dir
         self.tcfg = cfg.trainer
         self.model = model.to(env.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
@@ -57,17 +56,9 @@ class Trainer:
         self.stop_signal: Optional[int] = None
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
         self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
-        self.metric = cfg.checkpoint.best_metric
-        self._check_metric()
+        self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
         self.metrics = MetricsLogger(run_dir)
-
-    def _check_metric(self) -> None:
-        allowed = ["val_loss", "val_accuracy"] if self.data.task == "copy" else ["val_loss"]
-        if self.data.task != "copy" and self.cfg.eval.bleu:
-            allowed.append("val_bleu")
-        if self.metric not in allowed:
-            raise ConfigError(f"checkpoint.best_metric={self.metric!r}: this run only measures {', '.join(allowed)}")
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -78,14 +69,14 @@ class Trainer:
         rngs = self.env.gather_objects(rng)
         return {
             "format": FORMAT,
-            "model_args": self.model.args,
+            "model_args": self.model.args.to_dict(),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "trainer": {"step": self.step, "epoch": self.epoch, "batch_index": self.batch_index,
                         "best": self.best, "bad_validations": self.bad_validations,
-                        "world_size": self.env.world_size, "metric": self.metric},
+                        "world_size": self.env.world_size, "metric": self.metric.name},
             "rng": rngs,
             "tokenizer": self.data.tokenizer.state_dict(),
             "config": to_container(self.cfg),
@@ -110,9 +101,9 @@ class Trainer:
             torch.cuda.set_rng_state(rng["cuda"], self.env.device)
 
     def load_weights(self, ckpt: dict, path: str) -> None:
-        if ckpt["model_args"] != self.model.args:
-            diff = {k: (ckpt["model_args"].get(k), v) for k, v in self.model.args.items()
-                    if ckpt["model_args"].get(k) != v}
+        mine = self.model.args.to_dict()
+        if ckpt["model_args"] != mine:
+            diff = {k: (ckpt["model_args"].get(k), v) for k, v in mine.items() if ckpt["model_args"].get(k) != v}
             raise CheckpointError(f"{path} holds another model (checkpoint vs config: {diff})")
         self.model.load_state_dict(ckpt["model"])
 
@@ -171,8 +162,8 @@ class Trainer:
                 if stop:
                     self.save(is_best=False)
                     log.warning("stopped by a signal at step %d; checkpoint written, exit code %d",
-                                self.step, PREEMPTED_EXIT_CODE)
-                    return PREEMPTED_EXIT_CODE
+                                self.step, exit_codes.PREEMPTED)
+                    return exit_codes.PREEMPTED
                 validated = is_best = False
                 if self.step % self.tcfg.val_every == 0:
                     validated, is_best = True, self._validate_once()
@@ -276,13 +267,10 @@ class Trainer:
         """Loss (summed over all ranks' tokens) and a decoding score; returns whether this is the best so far."""
         with self._rng_untouched():
             values = self.evaluate_loss(self.data.valid_loader())
-            if self.data.task == "copy":
-                values["val_accuracy"] = scoring.copy_accuracy(self.model, self.data.valid, self.env, self.env.device)
-            elif self.cfg.eval.bleu:
-                values.update(scoring.valid_bleu(self.model, self.data, self.env, self.cfg.eval, self.env.device))
+            values.update(self.task.validate(self.model, self.data, self.env))
         self.metrics.log("valid", self.step, self.epoch, **values)
-        score = values[self.metric]
-        better = self.best is None or (score > self.best if HIGHER_IS_BETTER[self.metric] else score < self.best)
+        score = values[self.metric.name]
+        better = self.best is None or (score > self.best if self.metric.higher_is_better else score < self.best)
         if better:
             self.best, self.bad_validations = score, 0
         else:
@@ -293,7 +281,7 @@ class Trainer:
         patience = self.cfg.eval.patience
         if patience is not None and self.bad_validations >= patience:
             log.info("early stop: %s has not improved for %d validations (best %.4g)",
-                     self.metric, self.bad_validations, self.best)
+                     self.metric.name, self.bad_validations, self.best)
             return True
         return False
 
@@ -313,30 +301,28 @@ class Trainer:
             log.info("checkpoint %s%s", path, " (best)" if is_best else "")
 
     def final_eval(self) -> None:
-        """Copy task: exact-match accuracy of greedy decoding on fresh sequences (the test split), with the
-        weights of best.pt (chosen on the validation split, as for any model selection)."""
-        if self.data.task == "copy":
-            best = self.checkpointer.folder / "best.pt" if self.checkpointer is not None else None
-            path = self.env.broadcast_object(str(best) if best is not None and best.is_file() else None)
-            if path is not None:
-                self.model.load_state_dict(load_checkpoint(path)["model"])
-            acc = scoring.copy_accuracy(self.model, self.data.test, self.env, self.env.device)
-            self.metrics.log("test", self.step, self.epoch, test_accuracy=acc,
-                             checkpoint="best" if path is not None else "last")
+        """The task's final scores (the copy task: accuracy on fresh sequences), with the weights of best.pt,
+        chosen on the validation split as for any model selection; then the figures."""
+        best = self.checkpointer.folder / "best.pt" if self.checkpointer is not None else None
+        path = self.env.broadcast_object(str(best) if best is not None and best.is_file() else None)
+        if path is not None:
+            self.model.load_state_dict(load_checkpoint(path)["model"])
+        values = self.task.test(self.model, self.data, self.env)
+        if values:
+            self.metrics.log("test", self.step, self.epoch, **values, checkpoint="best" if path else "last")
         self._log_figures()
 
     @rank_zero
     def _log_figures(self) -> None:
-        """Loss/score/rate curves and the attention maps of the first validation sentence, as TensorBoard images
+        """Loss/score/rate curves and the attention maps of a validation sentence, as TensorBoard images
         (`transformer-plot RUN_DIR` draws the same as PNG files)."""
         if self.metrics.writer is None:
             return
-        from transformer.plots import log_figures
+        from transformer.training.plots import log_figures
 
-        srcs = self.data.valid_srcs
-        sentence = srcs[0] if srcs else self.data.tokenizer.decode_src(self.data.valid[0][1])
         log_figures(self.metrics.writer, run_dir=self.run_dir, cfg=to_container(self.cfg), model=self.model,
-                    tokenizer=self.data.tokenizer, sentence=sentence, step=self.step)
+                    tokenizer=self.data.tokenizer, sentence=self.task.sample_sentence(self.data), step=self.step,
+                    ev=self.cfg.eval)
 
     def close(self) -> None:
         self.metrics.close()

@@ -1,4 +1,4 @@
-"""Shared helpers of the data tests (imported as `from data_helpers import ...`; tests/ is on sys.path)."""
+"""Shared helpers of the data tests (imported as `from tests.helpers.data import ...`; tests/ is on sys.path)."""
 import gzip
 import hashlib
 import http.server
@@ -17,7 +17,7 @@ from transformer.data.config import DataConfig, TokenizerConfig
 
 # The Multi30k task-1 raw .gz files: $MULTI30K_DIR, else ../shared/data/multi30k beside the repository clone
 # (where CI has them). Tests needing them are skipped, with this path in the reason, where they are absent.
-MULTI30K = Path(os.environ.get("MULTI30K_DIR") or Path(__file__).resolve().parents[2] / "shared/data/multi30k")
+MULTI30K = Path(os.environ.get("MULTI30K_DIR") or Path(__file__).resolve().parents[3] / "shared/data/multi30k")
 needs_multi30k = pytest.mark.skipif(not (MULTI30K / "train.de.gz").exists(), reason=f"no Multi30k files in {MULTI30K}")
 
 TRAIN_DE = [

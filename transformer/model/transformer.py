@@ -1,16 +1,51 @@
-"""The encoder-decoder Transformer (paper Section 3, Figure 1)."""
+"""The encoder-decoder Transformer (paper Section 3, Figure 1) and the arguments that rebuild it."""
 import math
-from dataclasses import asdict, is_dataclass
-from typing import List, Optional
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from transformer.data.batch import PAD
-from transformer.layers import DecoderLayer, EncoderLayer
+from transformer.model.cache import DecoderCache
+from transformer.model.layers import DecoderLayer, EncoderLayer
+from transformer.specials import PAD
 
-MODEL_KEYS = ("N", "d_model", "d_ff", "h", "dropout", "norm_first", "tie_embeddings", "max_positions")
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Everything needed to rebuild the model (no defaults here: they live in the config schema,
+    `transformer.config.ModelConfig`). A checkpoint stores it as a plain dict (`to_dict`) under "model_args",
+    so it loads with `torch.load(weights_only=True)`."""
+    N: int  # layers in each of the encoder and decoder stacks
+    d_model: int
+    d_ff: int
+    h: int  # attention heads; d_k = d_v = d_model / h
+    dropout: float  # P_drop
+    norm_first: bool  # False: post-norm as in the paper; True: pre-norm
+    tie_embeddings: str  # none | decoder | all
+    max_positions: int
+    src_vocab_size: int
+    tgt_vocab_size: int
+    shared_vocab: bool  # one vocabulary for both sides (needed by tie_embeddings=all)
+
+    @classmethod
+    def from_config(cls, model_cfg, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool) -> "ModelArgs":
+        """From the `model` config section (any object with the ModelConfig attributes) and the data's vocabularies."""
+        arch = {f.name: getattr(model_cfg, f.name) for f in fields(cls)
+                if f.name not in ("src_vocab_size", "tgt_vocab_size", "shared_vocab")}
+        return cls(**arch, src_vocab_size=int(src_vocab_size), tgt_vocab_size=int(tgt_vocab_size),
+                   shared_vocab=bool(shared_vocab))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelArgs":
+        """From a checkpoint's "model_args" (written by any version of this project)."""
+        names = {f.name for f in fields(cls)}
+        if set(d) != names:
+            raise ValueError(f"model arguments {sorted(set(d) ^ names)} are unknown or missing")
+        return cls(**d)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
 
 
 def sinusoidal_positions(n: int, d_model: int) -> torch.Tensor:
@@ -42,53 +77,37 @@ class Embedding(nn.Module):
         return self.dropout(x + self.pe[offset:offset + T].to(x.dtype))
 
 
-class DecoderCache:
-    """State of incremental decoding: per layer the self-attention keys/values of the positions decoded
-    so far, and the cross-attention keys/values of the encoder output (computed once per source)."""
-
-    def __init__(self, self_attn: List[dict], cross_kv: List[tuple], src_mask: torch.Tensor):
-        self.self_attn, self.cross_kv, self.src_mask = self_attn, cross_kv, src_mask
-
-    @property
-    def length(self) -> int:
-        return self.self_attn[0]["k"].size(2) if "k" in self.self_attn[0] else 0
-
-    def reorder(self, index: torch.Tensor) -> None:
-        """Keeps rows `index` of the batch (beam search: follow the surviving hypotheses)."""
-        for layer in self.self_attn:
-            for key in list(layer):
-                layer[key] = layer[key].index_select(0, index)
-        self.cross_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.cross_kv]
-        self.src_mask = self.src_mask.index_select(0, index)
-
-
 class Transformer(nn.Module):
     """Encoder-decoder with N layers each side; `encode` and `decode` can be called separately."""
 
-    def __init__(self, cfg, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool = False):
+    def __init__(self, args: ModelArgs):
         super().__init__()
-        self.args = model_args(cfg, src_vocab_size, tgt_vocab_size, shared_vocab)
-        a = self.args
-        d_model, dropout = a["d_model"], a["dropout"]
-        if a["tie_embeddings"] == "all" and not (shared_vocab and src_vocab_size == tgt_vocab_size):
+        self.args = a = args
+        if a.tie_embeddings == "all" and not (a.shared_vocab and a.src_vocab_size == a.tgt_vocab_size):
             raise ValueError("model.tie_embeddings=all needs one shared source/target vocabulary "
                              "(use tokenizer=bpe), but this data has separate vocabularies")
-        self.src_embed = Embedding(src_vocab_size, d_model, a["max_positions"], dropout)
-        self.tgt_embed = Embedding(tgt_vocab_size, d_model, a["max_positions"], dropout)
-        layer_args = (d_model, a["d_ff"], a["h"], dropout, a["norm_first"])
-        self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(a["N"]))
-        self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a["N"]))
+        self.src_embed = Embedding(a.src_vocab_size, a.d_model, a.max_positions, a.dropout)
+        self.tgt_embed = Embedding(a.tgt_vocab_size, a.d_model, a.max_positions, a.dropout)
+        layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first)
+        self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(a.N))
+        self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a.N))
         # Pre-norm stacks end un-normalised; a final LayerNorm closes each (post-norm already ends in one).
-        self.enc_norm = nn.LayerNorm(d_model) if a["norm_first"] else nn.Identity()
-        self.dec_norm = nn.LayerNorm(d_model) if a["norm_first"] else nn.Identity()
-        self.generator = nn.Linear(d_model, tgt_vocab_size, bias=False)
+        self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
+        self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
+        self.generator = nn.Linear(a.d_model, a.tgt_vocab_size, bias=False)
         self._init_weights()
         # Section 3.4: "we share the same weight matrix between the two embedding layers and the pre-softmax
         # linear transformation". Tied after init so the shared matrix gets one Xavier draw.
-        if a["tie_embeddings"] in ("decoder", "all"):
+        if a.tie_embeddings in ("decoder", "all"):
             self.generator.weight = self.tgt_embed.tokens.weight
-        if a["tie_embeddings"] == "all":
+        if a.tie_embeddings == "all":
             self.src_embed.tokens.weight = self.tgt_embed.tokens.weight
+
+    @classmethod
+    def from_config(cls, model_cfg, src_vocab_size: int, tgt_vocab_size: int,
+                    shared_vocab: bool = False) -> "Transformer":
+        """A new model from the `model` config section and the data's vocabularies."""
+        return cls(ModelArgs.from_config(model_cfg, src_vocab_size, tgt_vocab_size, shared_vocab))
 
     def _init_weights(self) -> None:
         for p in self.parameters():
@@ -107,8 +126,7 @@ class Transformer(nn.Module):
         return self.enc_norm(x), src_mask
 
     def new_cache(self, memory: torch.Tensor, src_mask: torch.Tensor) -> DecoderCache:
-        cross_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
-        return DecoderCache([{} for _ in self.decoder], cross_kv, src_mask)
+        return DecoderCache([layer.cross_attn.project_kv(memory) for layer in self.decoder], src_mask)
 
     def decode(self, tgt_in: torch.Tensor, memory: Optional[torch.Tensor] = None,
                src_mask: Optional[torch.Tensor] = None, cache: Optional[DecoderCache] = None) -> torch.Tensor:
@@ -128,26 +146,8 @@ class Transformer(nn.Module):
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask)
 
-    def store_attention(self, on: bool = True) -> None:
-        """Keep attention weights in each attention module's `last_attention` (for plots)."""
+    def record_attention(self, on: bool = True) -> None:
+        """Keep the attention weights of every attention module in its `last_attention` (for plots)."""
         for m in self.modules():
-            if hasattr(m, "store_attention") and not callable(m.store_attention):
-                m.store_attention = on
-
-
-def model_args(cfg, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool) -> dict:
-    """Everything needed to rebuild the model, as primitives (a checkpoint carries this)."""
-    if isinstance(cfg, DictConfig):
-        cfg = OmegaConf.to_container(cfg, resolve=True)
-    elif is_dataclass(cfg):
-        cfg = asdict(cfg)
-    args = {k: cfg[k] for k in MODEL_KEYS}
-    args.update(src_vocab_size=int(src_vocab_size), tgt_vocab_size=int(tgt_vocab_size),
-                shared_vocab=bool(shared_vocab))
-    return args
-
-
-def from_args(args: dict) -> Transformer:
-    """Rebuilds an (untrained) model from `Transformer.args`, e.g. from a checkpoint's `model_args`."""
-    return Transformer({k: args[k] for k in MODEL_KEYS}, args["src_vocab_size"], args["tgt_vocab_size"],
-                       args["shared_vocab"])
+            if hasattr(m, "keep_attention"):
+                m.keep_attention = on

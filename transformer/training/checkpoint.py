@@ -62,14 +62,21 @@ def load_checkpoint(path, map_location="cpu") -> dict:
 
 
 def load_model(path, device="cpu"):
-    """(model in eval mode, tokenizer, checkpoint dict) from a checkpoint file alone."""
+    """(model in eval mode, tokenizer, checkpoint dict) from a checkpoint file alone: the one loader of every
+    command. A file that is not a checkpoint of ours, or whose weights do not fit its `model_args`, raises
+    CheckpointError naming the file."""
     from transformer.data.tokenizer import tokenizer_from_state
-    from transformer.model import from_args
+    from transformer.model import ModelArgs, Transformer
 
     ckpt = load_checkpoint(path)
-    model = from_args(ckpt["model_args"])
-    model.load_state_dict(ckpt["model"])
-    return model.to(device).eval(), tokenizer_from_state(ckpt["tokenizer"]), ckpt
+    try:
+        tokenizer = tokenizer_from_state(ckpt["tokenizer"])
+        model = Transformer(ModelArgs.from_dict(ckpt["model_args"]))
+        model.load_state_dict(ckpt["model"])
+    except (KeyError, TypeError, ValueError, RuntimeError) as e:  # not our layout, or weights that do not fit
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: broken checkpoint ({type(e).__name__}: {first})") from None
+    return model.to(device).eval(), tokenizer, ckpt
 
 
 class Checkpointer:

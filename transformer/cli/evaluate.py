@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from transformer.atomic import write_text_atomic
-from transformer.decode import translate_sentences
-from transformer.translate import UsageError, add_decoding_args, eval_config, load, pick_device
+from transformer.cli.common import UsageError, add_decoding_args, eval_config, pick_device, run_command
+from transformer.decoding import translate_sentences
+from transformer.training.checkpoint import load_model
 
 PROG = "transformer-evaluate"
 
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if bool(args.split) == bool(args.src or args.ref):
         raise UsageError("give --split NAME (repeatable) or --src FILE --ref FILE")
     device = pick_device(args.device, args.threads)
-    model, tokenizer, ckpt = load(args.checkpoint, device)
+    model, tokenizer, ckpt = load_model(args.checkpoint, device)
     cfg = eval_config(args, ckpt)
     cfg.nbest = 1
     splits = load_splits(args, ckpt)
@@ -134,11 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return 1
+    return run_command(PROG, lambda: run(args))
 
 
 if __name__ == "__main__":

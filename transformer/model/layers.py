@@ -12,7 +12,7 @@ class MultiHeadAttention(nn.Module):
 
     Masks are boolean, True where a query may attend to a key, broadcastable to (B, h, T, S).
     The fused `scaled_dot_product_attention` picks flash/memory-efficient kernels where it can.
-    With `store_attention = True` the weights are computed explicitly and kept in `last_attention`
+    With `keep_attention = True` the weights are computed explicitly and kept in `last_attention`
     (B, h, T, S) for plots.
     """
 
@@ -26,7 +26,7 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
-        self.store_attention = False
+        self.keep_attention = False
         self.last_attention: Optional[torch.Tensor] = None
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,7 +57,7 @@ class MultiHeadAttention(nn.Module):
                 mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
             is_causal = False  # one new query may see every cached key
         p = self.dropout if self.training else 0.0
-        if self.store_attention:
+        if self.keep_attention:
             out = self._explicit_attention(q, k, v, mask, is_causal)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)

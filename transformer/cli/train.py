@@ -1,0 +1,121 @@
+"""`transformer-train` (also `python -m transformer.train`): compose the config, validate it, then run the
+workers (transformer/training/launcher.py) and exit with the contract's code (transformer/exit_codes.py)."""
+import logging
+import os
+import secrets
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from transformer import dist, exit_codes
+from transformer.atomic import write_text_atomic
+from transformer.config import CONF_DIR, ConfigError, register_configs, to_container, validate
+from transformer.tasks import build_task
+from transformer.training.launcher import USER_INPUT_ERRORS, launch
+
+# HF tokenizers' thread pool does not survive DataLoader workers forking after encoding; it says so noisily.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+_RUN_NAME: Optional[str] = None
+
+
+def run_name() -> str:
+    """Default run-directory name. Under torchrun it is the rendezvous id, so restarts after a crash
+    (which rerun this entry point) land in the same directory and resume; otherwise a timestamp plus a
+    random suffix, so two jobs started in the same second never share a directory."""
+    global _RUN_NAME
+    if _RUN_NAME is None:
+        rdzv = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        _RUN_NAME = (f"torchrun-{rdzv}" if rdzv != "none"
+                     else time.strftime("%Y-%m-%d/%H-%M-%S-") + secrets.token_hex(3))
+    return _RUN_NAME
+
+
+def check(cfg: DictConfig) -> None:
+    """Everything about the config that can be checked before any worker starts."""
+    validate(cfg)
+    build_task(cfg).metric(cfg.checkpoint.best_metric)
+    for key in ("resume", "init_from"):
+        value = cfg.trainer[key]
+        if value not in (None, "auto", "none") and not Path(value).is_file():
+            raise ConfigError(f"trainer.{key}={value!r}: no such checkpoint file")
+
+
+@dist.rank_zero
+def write_config_snapshot(run_dir: Path, cfg: DictConfig) -> None:
+    """.hydra/{config,overrides,hydra}.yaml, written only once the config has been validated."""
+    folder = run_dir / ".hydra"
+    folder.mkdir(parents=True, exist_ok=True)
+    hc = HydraConfig.get()
+    for name, node in (("config.yaml", cfg), ("overrides.yaml", OmegaConf.create(list(hc.overrides.task))),
+                       ("hydra.yaml", OmegaConf.create({"hydra": OmegaConf.to_container(hc, resolve=False)}))):
+        write_text_atomic(folder / name, OmegaConf.to_yaml(node))
+
+
+def run(cfg: DictConfig) -> int:
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    torchrun = dist.torchrun_env()
+    is_main = torchrun is None or torchrun["rank"] == 0
+    # Hydra has just made the run directory (other torchrun ranks point it at "."). If it was empty, this run
+    # owns it: a run refused for bad input removes it again, so a failed start leaves nothing half-written.
+    owned = is_main and run_dir.is_dir() and not any(run_dir.iterdir())
+    try:
+        check(cfg)
+        if is_main:
+            write_config_snapshot(run_dir, cfg)
+        code = launch(to_container(cfg), run_dir, torchrun)
+    except USER_INPUT_ERRORS as e:
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        code = exit_codes.USER_ERROR
+    if code == exit_codes.USER_ERROR and owned:
+        _remove_run_dir(run_dir)
+    return code
+
+
+def _remove_run_dir(folder: Path) -> None:
+    """Removes a run directory this run made and that holds no results yet (never the working directory), and
+    for a default name (outputs/<date>/<time>-<id>) the folders above it that are left empty."""
+    for handler in list(logging.getLogger().handlers):  # train.log is open in it
+        if isinstance(handler, logging.FileHandler):
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+    if folder.resolve() == Path.cwd().resolve() or any((folder / f).exists() for f in ("checkpoints", "metrics.jsonl")):
+        return  # it has results: a late error never deletes them
+    shutil.rmtree(folder, ignore_errors=True)
+    if _RUN_NAME is not None and folder.as_posix().endswith(_RUN_NAME):
+        cwd = Path.cwd().resolve()
+        for parent in folder.resolve().parents:  # outputs/<date>/, then outputs/, while empty and below cwd
+            if cwd not in parent.parents:
+                break
+            try:
+                parent.rmdir()
+            except OSError:  # holds other runs
+                break
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> None:
+    code = run(cfg)
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    register_configs()
+    OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+    rank = dist.torchrun_env()
+    if rank is not None and rank["rank"] != 0:
+        # Non-zero torchrun ranks still run Hydra (to compose the same config) but must write nothing.
+        sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/hydra_logging=none"]
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Translation: BLEU and chrF (sacreBLEU, default settings) of the validation split's translations."""
+from typing import Dict, List, Optional
+
+from transformer.decoding import translate_sentences
+from transformer.tasks.base import Metric, Task
+
+
+def valid_bleu(model, data, env, ev) -> Dict[str, float]:
+    """Corpus BLEU and chrF of the model's translations of the validation sources `data.valid_srcs` (the
+    first `ev.bleu_sentences` if set) against `data.valid_refs`.
+
+    Sentence i is translated by rank i % world_size with `ev.beam`; rank 0 restores the input order,
+    scores, and broadcasts, so every rank returns the same {"val_bleu", "val_chrf"}. Collective: every
+    rank must call it.
+    """
+    import sacrebleu
+
+    srcs, refs = list(data.valid_srcs), list(data.valid_refs)
+    n = len(srcs) if ev.bleu_sentences is None else min(len(srcs), int(ev.bleu_sentences))
+    mine = list(range(env.rank, n, env.world_size))
+    hyps = translate_sentences(model, data.tokenizer, [srcs[i] for i in mine], ev, env.device)
+    gathered = env.gather_objects([(i, h[0].text) for i, h in zip(mine, hyps)])
+    result = None
+    if env.is_main:
+        texts = [""] * n
+        for part in gathered:
+            for i, text in part:
+                texts[i] = text
+        result = {"val_bleu": sacrebleu.corpus_bleu(texts, [refs[:n]]).score,
+                  "val_chrf": sacrebleu.corpus_chrf(texts, [refs[:n]]).score}
+    return env.broadcast_object(result)
+
+
+class TranslationTask(Task):
+    name = "translation"
+
+    def scores(self) -> List[Metric]:
+        if not self.cfg.eval.bleu:
+            return []
+        return [Metric("val_bleu", higher_is_better=True), Metric("val_chrf", higher_is_better=True)]
+
+    def validate(self, model, data, env) -> Dict[str, float]:
+        return valid_bleu(model, data, env, self.cfg.eval) if self.cfg.eval.bleu else {}
+
+    def sample_sentence(self, data) -> Optional[str]:
+        return data.valid_srcs[0] if data.valid_srcs else None
