@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from test_decode import copy_checkpoint, one_thread  # noqa: F401
+from tests.helpers.models import copy_checkpoint, one_thread  # noqa: F401
 from transformer.cli.average import main
 from transformer.training.averaging import average_checkpoints
 from transformer.training.checkpoint import atomic_save, load_checkpoint

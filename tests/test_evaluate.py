@@ -11,7 +11,7 @@ import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 from tests.helpers.data import MULTI30K, needs_multi30k
-from test_decode import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
+from tests.helpers.models import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
 from transformer.training.checkpoint import atomic_save
 from transformer.config import EvalConfig
 from transformer.data.copy import CopyTokenizer
@@ -142,7 +142,7 @@ def test_multi30k_split_via_data_root(tmp_path, capsys):
     from transformer.data.tokenizer import SpacyTokenizer
     from transformer.model import Transformer
     from transformer.config import ModelConfig
-    from test_decode import full_config
+    from tests.helpers.models import full_config
     from transformer.training.checkpoint import FORMAT
 
     de = read_lines(MULTI30K / "train.de.gz")[:300]

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from test_decode import copy_checkpoint, one_thread  # noqa: F401
+from tests.helpers.models import copy_checkpoint, one_thread  # noqa: F401
 from transformer.training.checkpoint import atomic_save
 from transformer.config import EvalConfig, ModelConfig
 from transformer.data.copy import CopyTokenizer

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from test_decode import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
+from tests.helpers.models import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
 from transformer.training.checkpoint import atomic_save
 from transformer.config import EvalConfig
 from transformer.data.copy import CopyTokenizer
@@ -16,6 +16,11 @@ from transformer.decoding import translate_sentences
 from transformer.cli.translate import main
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def stdin_of(text: str) -> io.TextIOWrapper:
+    """A stand-in for sys.stdin (a text stream over bytes, read through its .buffer)."""
+    return io.TextIOWrapper(io.BytesIO(text.encode("utf-8")), encoding="utf-8")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,7 @@ def test_file_to_file_matches_the_library_in_input_order(ckpt_path, sentences, t
 
 
 def test_stdin_to_stdout_keeps_empty_lines(ckpt_path, sentences, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{sentences[0]}\n\n{sentences[1]}\n"))
+    monkeypatch.setattr(sys, "stdin", stdin_of(f"{sentences[0]}\n\n{sentences[1]}\n"))
     assert main([str(ckpt_path), "--beam", "1"]) == 0
     lines = capsys.readouterr().out.split("\n")
     expected = translate_sentences(copy_model(), CopyTokenizer(VOCAB), sentences[:2], EvalConfig(beam=1), "cpu")
@@ -51,7 +56,7 @@ def test_stdin_to_stdout_keeps_empty_lines(ckpt_path, sentences, monkeypatch, ca
 
 
 def test_nbest_output(ckpt_path, sentences, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "stdin", io.StringIO("\n".join(sentences[:2]) + "\n"))
+    monkeypatch.setattr(sys, "stdin", stdin_of("\n".join(sentences[:2]) + "\n"))
     assert main([str(ckpt_path), "--beam", "4", "--nbest", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 6
@@ -65,7 +70,7 @@ def test_nbest_output(ckpt_path, sentences, monkeypatch, capsys):
     (["{ckpt}", "--beam", "2", "--nbest", "3"], "--nbest 3"),
     (["{ckpt}", "--beam", "0"], "--beam 0"),
     (["{ckpt}", "--input", "{missing}"], "--input"),
-    (["{garbage}"], "not a loadable checkpoint"),
+    (["{garbage}"], "not a checkpoint, or a truncated or corrupt one"),
 ])
 def test_bad_input_is_one_line_and_nonzero(argv, message, ckpt_path, tmp_path, capsys):
     garbage = tmp_path / "garbage.pt"

@@ -67,12 +67,13 @@ class TrainerConfig:
     timeout_s: int = 600  # process-group timeout: a dead peer fails the job after this long
     compile: bool = False  # torch.compile the model
     progress: bool = True  # progress bar on rank 0
+    threads: Optional[int] = None  # torch CPU threads per worker; None = the cores this process may use / local workers
 
 
 @dataclass
 class CheckpointConfig:
     every_steps: int = 1000  # also written at every epoch end and on preemption
-    keep_last: int = 3
+    keep_last: int = 5  # `transformer-average RUN --last 5` (the paper's base-model average) works on every run
     best_metric: str = "val_loss"  # val_loss, or a score the task measures (val_bleu, val_chrf, val_accuracy)
 
 
@@ -146,6 +147,7 @@ def check_trainer(t) -> None:
     _check(t.precision in ("auto", "fp32", "bf16", "fp16"), "trainer.precision", t.precision,
            "must be auto, fp32, bf16 or fp16")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")
+    _check(t.threads is None or t.threads > 0, "trainer.threads", t.threads, "must be > 0 or null")
 
 
 def check_data(d) -> None:

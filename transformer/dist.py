@@ -88,25 +88,30 @@ def rank_zero(fn: Callable) -> Callable:
 def torchrun_env() -> Optional[dict]:
     """RANK/LOCAL_RANK/WORLD_SIZE set by torchrun (or srun + torchrun), else None."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        world_size = int(os.environ["WORLD_SIZE"])
         return {"rank": int(os.environ["RANK"]), "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
-                "world_size": int(os.environ["WORLD_SIZE"])}
+                "world_size": world_size, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", world_size))}
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         # hydra/launcher=slurm: one Slurm task per GPU and no torchrun; submitit derives the ranks from
         # SLURM_PROCID/SLURM_LOCALID and exports MASTER_ADDR/MASTER_PORT for env://.
         import submitit
 
         e = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
-        return {"rank": e.rank, "local_rank": e.local_rank, "world_size": e.world_size}
+        return {"rank": e.rank, "local_rank": e.local_rank, "world_size": e.world_size,
+                "local_world_size": e.local_world_size}
     return None
 
 
 def resolve_device(accelerator: str, local_rank: int) -> torch.device:
+    """The device of this worker: the GPU of its *local* rank, or the CPU. Impossible requests are the user's
+    (ValueError, reported as one line)."""
     if accelerator == "gpu" and not torch.cuda.is_available():
-        raise RuntimeError("trainer.accelerator=gpu but torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+        raise ValueError("trainer.accelerator='gpu': torch sees no CUDA GPU (torch.cuda.is_available() is False)")
     if accelerator == "cpu" or not torch.cuda.is_available():
         return torch.device("cpu")
     if local_rank >= torch.cuda.device_count():
-        raise RuntimeError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} are visible")
+        raise ValueError(f"local rank {local_rank} has no GPU: only {torch.cuda.device_count()} are visible "
+                         "(more workers per node than GPUs: lower trainer.devices or --nproc-per-node)")
     return torch.device("cuda", local_rank)
 
 

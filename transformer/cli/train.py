@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Optional
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from transformer import dist, exit_codes
-from transformer.atomic import write_text_atomic
+from transformer.cli.compose import precheck
 from transformer.config import CONF_DIR, ConfigError, register_configs, to_container, validate
 from transformer.tasks import build_task
 from transformer.training.launcher import USER_INPUT_ERRORS, launch
@@ -37,24 +38,24 @@ def run_name() -> str:
 
 
 def check(cfg: DictConfig) -> None:
-    """Everything about the config that can be checked before any worker starts."""
+    """Everything about the config that can be checked before any worker starts (and, through `precheck`,
+    before Hydra makes the run directory)."""
     validate(cfg)
     build_task(cfg).metric(cfg.checkpoint.best_metric)
     for key in ("resume", "init_from"):
         value = cfg.trainer[key]
         if value not in (None, "auto", "none") and not Path(value).is_file():
             raise ConfigError(f"trainer.{key}={value!r}: no such checkpoint file")
+    if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
+        raise ConfigError("trainer.accelerator='gpu': torch sees no CUDA GPU (torch.cuda.is_available() is False)")
 
 
-@dist.rank_zero
-def write_config_snapshot(run_dir: Path, cfg: DictConfig) -> None:
-    """.hydra/{config,overrides,hydra}.yaml, written only once the config has been validated."""
-    folder = run_dir / ".hydra"
-    folder.mkdir(parents=True, exist_ok=True)
+def config_snapshot(cfg: DictConfig) -> dict:
+    """.hydra/{config,overrides,hydra}.yaml: rank 0 writes them once the run is accepted."""
     hc = HydraConfig.get()
-    for name, node in (("config.yaml", cfg), ("overrides.yaml", OmegaConf.create(list(hc.overrides.task))),
-                       ("hydra.yaml", OmegaConf.create({"hydra": OmegaConf.to_container(hc, resolve=False)}))):
-        write_text_atomic(folder / name, OmegaConf.to_yaml(node))
+    nodes = (("config.yaml", cfg), ("overrides.yaml", OmegaConf.create(list(hc.overrides.task))),
+             ("hydra.yaml", OmegaConf.create({"hydra": OmegaConf.to_container(hc, resolve=False)})))
+    return {name: OmegaConf.to_yaml(node) for name, node in nodes}
 
 
 def run(cfg: DictConfig) -> int:
@@ -66,16 +67,17 @@ def run(cfg: DictConfig) -> int:
     owned = is_main and run_dir.is_dir() and not any(run_dir.iterdir())
     try:
         check(cfg)
-        if is_main:
-            write_config_snapshot(run_dir, cfg)
-        code = launch(to_container(cfg), run_dir, torchrun)
+        code = launch(to_container(cfg), run_dir, torchrun, config_snapshot(cfg) if is_main else None)
     except USER_INPUT_ERRORS as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {e}", file=sys.stderr)
         code = exit_codes.USER_ERROR
-    if code == exit_codes.USER_ERROR and owned:
-        _remove_run_dir(run_dir)
+    except Exception:  # a bug: the whole traceback, to the console and to train.log
+        logging.getLogger("transformer").exception("internal error; please report it with this traceback")
+        code = exit_codes.INTERNAL
+    if code in (exit_codes.USER_ERROR, exit_codes.PREEMPTED) and owned:
+        _remove_run_dir(run_dir)  # only while it holds no checkpoint and no metrics
     return code
 
 
@@ -110,6 +112,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     register_configs()
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
+    code = precheck(sys.argv[1:], check)
+    if code:
+        sys.exit(code)
     rank = dist.torchrun_env()
     if rank is not None and rank["rank"] != 0:
         # Non-zero torchrun ranks still run Hydra (to compose the same config) but must write nothing.

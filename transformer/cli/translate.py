@@ -11,29 +11,29 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, List, Optional, TextIO
+from typing import BinaryIO, Iterator, List, Optional, TextIO
 
 from transformer.atomic import atomic_open
 from transformer.cli.common import UsageError, add_decoding_args, eval_config, pick_device, run_command
 from transformer.config import EvalConfig
-from transformer.decoding import translate_sentences
+from transformer.data.tokenizer import encode_sources
+from transformer.decoding import translate_ids
 from transformer.training.checkpoint import load_model
 
 PROG = "transformer-translate"
 
 
 
-def read_chunks(stream: TextIO, size: Optional[int], name: str) -> Iterator[List[str]]:
-    """Lines (without line ends) in lists of `size` (None: everything at once)."""
+def read_chunks(stream: BinaryIO, size: Optional[int], name: str) -> Iterator[List[str]]:
+    """Lines (without line ends) in lists of `size` (None: everything at once). Each line is decoded on its
+    own, so invalid UTF-8 is reported with its own line number."""
     chunk, number = [], 0
-    while True:
-        try:
-            line = stream.readline()
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{name}, line {number + 1}: invalid UTF-8 ({e.reason})") from None
-        if not line:
-            break
+    for raw in iter(stream.readline, b""):
         number += 1
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UsageError(f"{name}, line {number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
         chunk.append(line.rstrip("\n").rstrip("\r"))
         if size is not None and len(chunk) >= size:
             yield chunk
@@ -49,14 +49,19 @@ def format_output(hyps, index: int, nbest: int) -> List[str]:
     return [f"{index} ||| {h.text} ||| {h.score:.4f}" for h in hyps]
 
 
-def translate_stream(model, tokenizer, cfg: EvalConfig, device, src: TextIO, out: TextIO, buffer_size: Optional[int],
-                     src_name: str = "<stdin>") -> int:
+def translate_stream(model, tokenizer, cfg: EvalConfig, device, src: BinaryIO, out: TextIO,
+                     buffer_size: Optional[int], max_source_tokens: int, src_name: str = "<stdin>") -> int:
     """Translates `src` to `out` chunk by chunk, flushing after each; returns the number of sentences."""
     done = 0
     for chunk in read_chunks(src, buffer_size, src_name):
         keep = [i for i, s in enumerate(chunk) if s.strip()]
-        hyps = translate_sentences(model, tokenizer, [chunk[i] for i in keep], cfg, device)
-        by_line = dict(zip(keep, hyps))
+        ids = encode_sources(tokenizer, [chunk[i] for i in keep])
+        for k, i in enumerate(keep):
+            if len(ids[k]) > max_source_tokens:
+                print(f"{PROG}: warning: {src_name}, line {done + i + 1}: {len(ids[k])} source tokens, truncated to "
+                      f"{max_source_tokens} (--max-source-tokens)", file=sys.stderr)
+                ids[k] = ids[k][:max_source_tokens]
+        by_line = dict(zip(keep, translate_ids(model, tokenizer, ids, cfg, device)))
         for i in range(len(chunk)):
             if i in by_line:
                 out.write("\n".join(format_output(by_line[i], done + i, cfg.nbest)) + "\n")
@@ -85,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="translate every line as soon as it is read (the default when stdin is a terminal)")
     p.add_argument("--buffer-size", type=int, default=None,
                    help="lines read before translating a batch (default 1 interactively, else 10000)")
+    p.add_argument("--max-source-tokens", type=int, default=None,
+                   help="longer sources are truncated, with a warning (default: the checkpoint's data.max_len, the "
+                        "longest sentence training kept; outputs are also bounded by the model's max_positions)")
     add_decoding_args(p)
     return p
 
@@ -102,19 +110,23 @@ def run(args: argparse.Namespace) -> int:
     device = pick_device(args.device, args.threads)
     model, tokenizer, ckpt = load_model(args.checkpoint, device)
     cfg = eval_config(args, ckpt)
-    for stream in (sys.stdin, sys.stdout):
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(encoding="utf-8")
-    src = open(args.input, encoding="utf-8") if args.input else sys.stdin
+    trained_max = ((ckpt.get("config") or {}).get("data") or {}).get("max_len") or model.args.max_positions
+    max_source = trained_max if args.max_source_tokens is None else args.max_source_tokens
+    if max_source < 1:
+        raise UsageError(f"--max-source-tokens {max_source}: must be >= 1")
+    if hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(encoding="utf-8")
+    src = open(args.input, "rb") if args.input else sys.stdin.buffer
     interactive = args.interactive or (not args.input and sys.stdin.isatty())
     buffer_size = args.buffer_size or (1 if interactive else 10000)
     start = time.perf_counter()
     try:
         if args.output:
             with output_file(Path(args.output)) as out:
-                n = translate_stream(model, tokenizer, cfg, device, src, out, buffer_size, args.input or "<stdin>")
+                n = translate_stream(model, tokenizer, cfg, device, src, out, buffer_size, max_source,
+                                     args.input or "<stdin>")
         else:
-            n = translate_stream(model, tokenizer, cfg, device, src, sys.stdout, buffer_size,
+            n = translate_stream(model, tokenizer, cfg, device, src, sys.stdout, buffer_size, max_source,
                                  args.input or "<stdin>")
     finally:
         if args.input:

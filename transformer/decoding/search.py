@@ -32,9 +32,9 @@ class Hypothesis:
     positional: List[float] = field(default_factory=list)  # log probability of each token (+ </s>)
 
 
-def max_lengths(src: torch.Tensor, a: float, b: int) -> torch.Tensor:
-    """Per-sentence output limit a * source length + b (source length without padding)."""
-    return ((src != PAD).sum(dim=1).float() * a + b).long().clamp(min=1)  # (B,)
+def max_lengths(src: torch.Tensor, a: float, b: int, cap: Optional[int] = None) -> torch.Tensor:
+    """Per-sentence output limit a * source length + b (source length without padding), at most `cap`."""
+    return ((src != PAD).sum(dim=1).float() * a + b).long().clamp(min=1, max=cap)  # (B,)
 
 
 def next_logprobs(model, tokens: torch.Tensor, cache, stop_at_eos: bool) -> torch.Tensor:
@@ -64,14 +64,14 @@ class eval_mode:
 
 @torch.no_grad()
 def greedy_search(model, src: torch.Tensor, lenpen: float, max_len_a: float, max_len_b: int,
-                  stop_at_eos: bool = True) -> List[Hypothesis]:
+                  stop_at_eos: bool = True, max_len: Optional[int] = None) -> List[Hypothesis]:
     """src (B, S) -> the most probable next token at each step, one Hypothesis per sentence.
-    A sentence stops at </s> or at its length limit."""
+    A sentence stops at </s> or at its length limit (never beyond `max_len` tokens)."""
     with eval_mode(model):
         B, device = src.size(0), src.device
         memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
         cache = model.new_cache(memory, src_mask)
-        limits = max_lengths(src, max_len_a, max_len_b)  # (B,)
+        limits = max_lengths(src, max_len_a, max_len_b, max_len)  # (B,)
         alive = torch.arange(B, device=device)  # original index of each row
         tokens = torch.full((B, 1), BOS, dtype=torch.long, device=device)  # (R, t+1)
         logps = torch.zeros(B, 0, device=device)  # (R, t)
@@ -170,7 +170,7 @@ def _drop_done(beams: _Beams, done: torch.Tensor, parent: torch.Tensor):
 
 @torch.no_grad()
 def beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_a: float, max_len_b: int,
-                nbest: int = 1, stop_at_eos: bool = True) -> List[List[Hypothesis]]:
+                nbest: int = 1, stop_at_eos: bool = True, max_len: Optional[int] = None) -> List[List[Hypothesis]]:
     """src (B, S) -> for each sentence its `nbest` best finished hypotheses, best first.
 
     fairseq's procedure: every step takes the 2*beam best extensions of the sentence's beam; those
@@ -182,7 +182,7 @@ def beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_a: f
         memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
         rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,) each sentence K times
         cache = model.new_cache(memory.index_select(0, rows), src_mask.index_select(0, rows))
-        limits = max_lengths(src, max_len_a, max_len_b)  # (B,)
+        limits = max_lengths(src, max_len_a, max_len_b, max_len)  # (B,)
         beams = _Beams(B, K, device)
         for t in range(int(limits.max()) + 1):
             R = beams.alive.numel()
@@ -205,9 +205,10 @@ def beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_a: f
                 for hyps in beams.finished]
 
 
-def search(model, src: torch.Tensor, ev, stop_at_eos: bool = True) -> List[List[Hypothesis]]:
+def search(model, src: torch.Tensor, ev, stop_at_eos: bool = True,
+           max_len: Optional[int] = None) -> List[List[Hypothesis]]:
     """Greedy search when ev.beam == 1 (and ev.nbest == 1), else beam search; `ev` is an EvalConfig (a
-    DictConfig of one works too). Returns the n-best list of each sentence."""
+    DictConfig of one works too). Outputs get at most `max_len` tokens. Returns each sentence's n-best list."""
     if ev.beam == 1 and ev.nbest == 1:
-        return [[h] for h in greedy_search(model, src, ev.lenpen, ev.max_len_a, ev.max_len_b, stop_at_eos)]
-    return beam_search(model, src, ev.beam, ev.lenpen, ev.max_len_a, ev.max_len_b, ev.nbest, stop_at_eos)
+        return [[h] for h in greedy_search(model, src, ev.lenpen, ev.max_len_a, ev.max_len_b, stop_at_eos, max_len)]
+    return beam_search(model, src, ev.beam, ev.lenpen, ev.max_len_a, ev.max_len_b, ev.nbest, stop_at_eos, max_len)

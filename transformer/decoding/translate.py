@@ -42,12 +42,18 @@ def translate_sentences(model, tokenizer, sentences: Sequence[str], ev, device="
     (`ev.batch_tokens`)."""
     from transformer.data.tokenizer import encode_sources
 
+    return translate_ids(model, tokenizer, encode_sources(tokenizer, sentences), ev, device, stop_at_eos)
+
+
+def translate_ids(model, tokenizer, ids: Sequence[Sequence[int]], ev, device="cpu",
+                  stop_at_eos: bool = True) -> List[List[Hypothesis]]:
+    """translate_sentences for sources already tokenised (id lists without specials). Outputs never get
+    more tokens than the model has positions (`model.args.max_positions`)."""
     device = torch.device(device)
-    ids = encode_sources(tokenizer, sentences)
     out: List[Optional[List[Hypothesis]]] = [None] * len(ids)
     for batch in length_batches([len(x) + 1 for x in ids], ev.batch_tokens):
         src = encode_batch([ids[i] for i in batch], device)
-        for i, nbest in zip(batch, search(model, src, ev, stop_at_eos)):
+        for i, nbest in zip(batch, search(model, src, ev, stop_at_eos, model.args.max_positions)):
             for h in nbest:
                 h.text = tokenizer.decode_tgt(h.tokens)
             out[i] = nbest

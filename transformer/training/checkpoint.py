@@ -6,7 +6,9 @@ tokenizer state, so `load_model(path)` rebuilds a working model from the file al
 """
 import logging
 import os
+import pickle
 import re
+import warnings
 from pathlib import Path
 from typing import Optional, Tuple
 
@@ -18,6 +20,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = "transformer-checkpoint/1"
 STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
+# Temporary files of interrupted writes: ".step_00000100.pt.<random>.tmp", ".last.pt.link.tmp", ...
+TEMP_FILE = re.compile(r"^\.(step_\d+|last|best|average_last\d+)\.pt\.[\w-]+\.tmp$")
 
 
 class CheckpointError(RuntimeError):
@@ -52,10 +56,15 @@ def load_checkpoint(path, map_location="cpu") -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # UnpicklingError for foreign objects, RuntimeError for truncated zips
+        with warnings.catch_warnings():  # torch warns about pickle protocols of files it then refuses
+            warnings.simplefilter("ignore", UserWarning)
+            ckpt = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError:  # torch's message would advise weights_only=False: the unsafe step
+        raise CheckpointError(f"{path}: not a checkpoint written by transformer-train, or a file holding executable "
+                              "pickled objects: refused") from None
+    except Exception as e:  # RuntimeError for truncated zips, EOFError for empty files
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: not a loadable checkpoint ({first})") from e
+        raise CheckpointError(f"{path}: not a checkpoint, or a truncated or corrupt one ({first})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} file")
     return ckpt
@@ -103,6 +112,14 @@ class Checkpointer:
         for _, old in self.step_files()[self.keep_last:]:
             old.unlink(missing_ok=True)
         return path
+
+    def remove_stale_temp_files(self):
+        """Deletes the temporary files (atomic_open's `.NAME.*.tmp`, atomic_link's `.NAME.link.tmp`) that a
+        write killed mid-way left in this folder, and only those; returns their paths."""
+        stale = [p for p in self.folder.glob(".*.tmp") if p.is_file() and TEMP_FILE.match(p.name)]
+        for p in stale:
+            p.unlink(missing_ok=True)
+        return stale
 
     def find_resume(self) -> Optional[Tuple[Path, dict]]:
         """The newest step file that loads, with its contents; corrupt ones are skipped with a warning."""

@@ -13,19 +13,20 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.multiprocessing as mp
 
 from transformer import dist, exit_codes
+from transformer.atomic import write_text_atomic
 from transformer.config import ConfigError, from_container
 from transformer.data import build_data
 from transformer.data.download import DownloadError
 from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training.checkpoint import CheckpointError, load_checkpoint
-from transformer.training.logs import setup_logging
+from transformer.training.logs import setup_logging, start_file_log
 from transformer.training.trainer import Trainer
 
 log = logging.getLogger("transformer")
@@ -43,13 +44,16 @@ def num_workers(cfg) -> int:
 
 
 def worker(rank: int, local_rank: int, world_size: int, cfg_dict: dict, run_dir: Optional[str],
-           store: Optional[torch.distributed.Store] = None) -> int:
-    """One training process: wires data, model, task and trainer, then trains. `run_dir` is given to global
-    rank 0 only. Returns the exit code."""
+           store: Optional[torch.distributed.Store] = None, snapshot: Optional[Dict[str, str]] = None,
+           local_world_size: int = 1) -> int:
+    """One training process: wires data, model, task and trainer, then trains. `run_dir` and `snapshot` (the
+    .hydra/ files) are given to global rank 0 only. Returns the exit code."""
+    stop = StopRequest()  # from here on a stop signal ends the run cleanly, whatever it is doing
     cfg = from_container(cfg_dict)
     env = dist.init(rank, local_rank, world_size, cfg.trainer.accelerator, cfg.trainer.timeout_s, store)
     run_dir = Path(run_dir) if (run_dir is not None and env.is_main) else None
     setup_logging(run_dir)
+    threads = set_threads(cfg.trainer.threads, local_world_size)
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed + rank)  # different dropout masks per rank; restored exactly on resume
@@ -58,15 +62,64 @@ def worker(rank: int, local_rank: int, world_size: int, cfg_dict: dict, run_dir:
         torch.manual_seed(cfg.seed)  # identical initial weights on every rank
         model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
         torch.manual_seed(cfg.seed + rank)
-        trainer = Trainer(cfg, env, model, data, build_task(cfg), run_dir)
+        trainer = Trainer(cfg, env, model, data, build_task(cfg), run_dir, stop)
         restore(trainer, cfg, env)
-        log.info("%d worker(s) on %s | model %.2fM parameters | run dir %s", world_size, env.device,
-                 sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
+        if run_dir is not None:  # accepted: only now is the run directory written to
+            accept(run_dir, snapshot or {}, trainer)
+        log.info("%d worker(s) on %s, %d CPU thread(s) each | model %.2fM parameters | run dir %s", world_size,
+                 env.device, threads, sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
         code = trainer.train()
         trainer.close()
         return code
     finally:
+        stop.close()
         dist.close()
+
+
+class StopRequest:
+    """SIGTERM / SIGUSR1 (Slurm's warning signal) set a flag instead of killing the process: the trainer
+    finishes its step, checkpoints and exits with code 3; before training has started there is nothing
+    to save and the run ends at once with the same code."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._old = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
+
+    def _on_signal(self, signum, frame) -> None:
+        log.warning("received %s: stopping at the next safe point", signal.Signals(signum).name)
+        self.signum = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def close(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
+def set_threads(requested: Optional[int], local_workers: int) -> int:
+    """torch's intra-op threads: `trainer.threads`, else the cores this process may run on (its affinity
+    mask, which Slurm and taskset set) shared among the workers of this node. torch's default (every
+    core of the machine in every worker) oversubscribes the cores and can slow training 5-20x."""
+    threads = requested or max(1, len(os.sched_getaffinity(0)) // max(local_workers, 1))
+    torch.set_num_threads(threads)
+    return threads
+
+
+@dist.rank_zero
+def accept(run_dir: Path, snapshot: Dict[str, str], trainer: Trainer) -> None:
+    """The run starts: its log goes to train.log, .hydra/ records the config, and temporary files that
+    killed writes of earlier attempts left in checkpoints/ are removed."""
+    start_file_log(run_dir)
+    for name, text in snapshot.items():
+        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        write_text_atomic(run_dir / ".hydra" / name, text)
+    if trainer.checkpointer is not None:
+        for path in trainer.checkpointer.remove_stale_temp_files():
+            log.warning("removed %s, left by an interrupted checkpoint write", path)
 
 
 def restore(trainer: Trainer, cfg, env: dist.DistEnv) -> None:
@@ -88,10 +141,13 @@ def restore(trainer: Trainer, cfg, env: dist.DistEnv) -> None:
         log.info("initialised weights from %s", cfg.trainer.init_from)
 
 
-def _spawned(local_rank: int, world_size: int, cfg_dict: dict, run_dir: str, port: int) -> None:
+def _spawned(local_rank: int, world_size: int, cfg_dict: dict, run_dir: str, port: int,
+             snapshot: Dict[str, str]) -> None:
     store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=False)
     try:
-        code = worker(local_rank, local_rank, world_size, cfg_dict, run_dir if local_rank == 0 else None, store)
+        main = local_rank == 0
+        code = worker(local_rank, local_rank, world_size, cfg_dict, run_dir if main else None, store,
+                      snapshot if main else None, local_world_size=world_size)
     except USER_INPUT_ERRORS as e:
         store.set(f"error/{local_rank}", str(e))
         code = exit_codes.USER_ERROR
@@ -99,13 +155,13 @@ def _spawned(local_rank: int, world_size: int, cfg_dict: dict, run_dir: str, por
         sys.exit(code)
 
 
-def spawn(n: int, cfg_dict: dict, run_dir: Path) -> int:
+def spawn(n: int, cfg_dict: dict, run_dir: Path, snapshot: Dict[str, str]) -> int:
     """Starts n workers on this machine; a failing worker brings the others down (no hang). Returns the
     exit code of the run; a user error's message is printed once, as one `error:` line."""
     setup_logging(None)  # this parent's own errors go to stderr like rank 0's (Hydra's handler writes to stdout)
     # The parent hosts the rendezvous store on a port the kernel picks: no fixed port, no race for one.
     store = torch.distributed.TCPStore("127.0.0.1", 0, n + 1, is_master=True, wait_for_workers=False)
-    ctx = mp.start_processes(_spawned, args=(n, cfg_dict, str(run_dir), store.port), nprocs=n, join=False,
+    ctx = mp.start_processes(_spawned, args=(n, cfg_dict, str(run_dir), store.port, snapshot), nprocs=n, join=False,
                              start_method="spawn")
 
     def forward(signum, frame):  # SLURM/Ctrl-C reach the parent: pass the stop request on to the workers
@@ -145,13 +201,16 @@ def _why(e: "mp.ProcessExitedException") -> str:
     return f"exit code {e.exit_code}"
 
 
-def launch(cfg_dict: dict, run_dir: Path, torchrun: Optional[dict]) -> int:
+def launch(cfg_dict: dict, run_dir: Path, torchrun: Optional[dict], snapshot: Dict[str, str]) -> int:
     """Runs the workers of a validated config: this process is one of torchrun's, or the only worker, or the
-    parent of `num_workers` spawned ones."""
+    parent of `num_workers` spawned ones. `snapshot` holds the .hydra/ files rank 0 writes once the run
+    is accepted."""
     if torchrun is not None:
+        main = torchrun["rank"] == 0
         return worker(torchrun["rank"], torchrun["local_rank"], torchrun["world_size"], cfg_dict,
-                      str(run_dir) if torchrun["rank"] == 0 else None)
+                      str(run_dir) if main else None, snapshot=snapshot if main else None,
+                      local_world_size=torchrun["local_world_size"])
     n = num_workers(from_container(cfg_dict))
     if n == 1:
-        return worker(0, 0, 1, cfg_dict, str(run_dir))
-    return spawn(n, cfg_dict, run_dir)
+        return worker(0, 0, 1, cfg_dict, str(run_dir), snapshot=snapshot)
+    return spawn(n, cfg_dict, run_dir, snapshot)

@@ -2,9 +2,12 @@
 
 Rank 0 logs INFO and up to the console and to <run_dir>/train.log. Other ranks log only warnings
 and errors, prefixed with their global rank, so problems on any worker still reach the console.
+train.log is written only once the run is accepted (`start_file_log`): until then its lines wait in
+memory, so a run refused while starting leaves an existing run directory untouched.
 """
 import json
 import logging
+import logging.handlers
 import math
 import os
 import sys
@@ -30,14 +33,22 @@ def setup_logging(run_dir: Optional[Path]) -> None:
     root.addHandler(console)
     root.setLevel(logging.INFO if env.is_main else logging.WARNING)
     if env.is_main and run_dir is not None:
-        _add_file_handler(root, Path(run_dir) / "train.log")
+        # Never flushed by itself: start_file_log() hands its lines to train.log.
+        root.addHandler(logging.handlers.MemoryHandler(capacity=1 << 20, flushLevel=logging.CRITICAL + 1))
 
 
 @rank_zero
-def _add_file_handler(root: logging.Logger, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fh = logging.FileHandler(path, delay=True)  # created by the first line logged
+def start_file_log(run_dir: Path) -> None:
+    """The run is accepted: the lines logged so far, and all later ones, go to <run_dir>/train.log."""
+    root = logging.getLogger()
+    fh = logging.FileHandler(Path(run_dir) / "train.log")
     fh.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
+    for h in list(root.handlers):
+        if isinstance(h, logging.handlers.MemoryHandler):
+            h.setTarget(fh)
+            h.flush()
+            root.removeHandler(h)
+            h.close()
     root.addHandler(fh)
 
 

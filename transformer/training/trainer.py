@@ -7,7 +7,6 @@ the run exactly where it stopped.
 import contextlib
 import logging
 import math
-import signal
 import time
 from pathlib import Path
 from typing import Optional
@@ -38,8 +37,11 @@ def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype
 
 
 class Trainer:
-    def __init__(self, cfg, env: DistEnv, model: torch.nn.Module, data, task: Task, run_dir: Optional[Path]):
+    def __init__(self, cfg, env: DistEnv, model: torch.nn.Module, data, task: Task, run_dir: Optional[Path],
+                 stop=None):
+        """`stop` (launcher.StopRequest: `.signum` is set by SIGTERM/SIGUSR1) asks the run to end cleanly."""
         self.cfg, self.env, self.data, self.task, self.run_dir = cfg, env, data, task, run_dir
+        self.stop = stop
         self.tcfg = cfg.trainer
         self.model = model.to(env.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
@@ -53,7 +55,6 @@ class Trainer:
         self.step = self.epoch = self.batch_index = 0
         self.best: Optional[float] = None
         self.bad_validations = 0
-        self.stop_signal: Optional[int] = None
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
         self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
@@ -110,15 +111,14 @@ class Trainer:
     # ---- training ----------------------------------------------------------------------------------
     def train(self) -> int:
         """Runs until max_steps/max_epochs, early stop or a stop signal. Returns the process exit code."""
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGUSR1)}
+        if self._stop_before_start():
+            return exit_codes.PREEMPTED
         self.total_steps = self._total_steps()
         progress = Progress(self.total_steps, self.step, self.tcfg.progress)
         try:
             code = self._loop(progress)
         finally:
             progress.close()
-            for s, h in old.items():
-                signal.signal(s, h)
         if code == 0:
             self.final_eval()
         return code
@@ -133,9 +133,19 @@ class Trainer:
             totals.append(math.ceil(self.data.num_train_batches(self.epoch) / t.accumulate) * t.max_epochs)
         return min(totals) if totals else None
 
-    def _on_signal(self, signum, frame) -> None:
-        log.warning("received %s: finishing this step, then checkpointing", signal.Signals(signum).name)
-        self.stop_signal = signum
+    @property
+    def stop_signal(self) -> Optional[int]:
+        return self.stop.signum if self.stop is not None else None
+
+    def _stop_before_start(self) -> bool:
+        """A stop signal that came while the data and model were being prepared: no step has run since the
+        last checkpoint (if any), so there is nothing new to save."""
+        if not self.env.all_reduce_sum([float(self.stop_signal is not None)])[0]:
+            return False
+        log.warning("stopped by a signal before training started (step %d): nothing new to save, exit code %d; "
+                    "rerun the same command to %s", self.step, exit_codes.PREEMPTED,
+                    "resume" if self.step else "start")
+        return True
 
     def _done(self) -> bool:
         t = self.tcfg
@@ -161,8 +171,8 @@ class Trainer:
                     self._log_train(window, grad_norm)
                 if stop:
                     self.save(is_best=False)
-                    log.warning("stopped by a signal at step %d; checkpoint written, exit code %d",
-                                self.step, exit_codes.PREEMPTED)
+                    log.warning("stopped by a signal at step %d; checkpoint written, exit code %d; rerun the same "
+                                "command to resume", self.step, exit_codes.PREEMPTED)
                     return exit_codes.PREEMPTED
                 validated = is_best = False
                 if self.step % self.tcfg.val_every == 0:
