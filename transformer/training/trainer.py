@@ -172,7 +172,8 @@ class Trainer:
                 if stop:
                     self.save(is_best=False)
                     log.warning("stopped by a signal at step %d; checkpoint written, exit code %d; rerun the same "
-                                "command to resume", self.step, exit_codes.PREEMPTED)
+                                "command with hydra.run.dir=%s to resume", self.step, exit_codes.PREEMPTED,
+                                self.run_dir)
                     return exit_codes.PREEMPTED
                 validated = is_best = False
                 if self.step % self.tcfg.val_every == 0:
