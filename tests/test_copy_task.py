@@ -31,6 +31,9 @@ def test_short_copy_run_writes_the_run_directory(tmp_path):
     test = [r for r in records if r["split"] == "test"][-1]
     assert 0.0 <= test["test_accuracy"] <= 1.0 and test["step"] == 6
     assert "test_accuracy" in proc.stderr  # the console shows it too
+    valid = [r for r in records if r["split"] == "valid"]
+    assert all(r["train_minutes"] >= 0 for r in valid)  # the run's clock, for time to quality
+    assert "time to quality:" in proc.stderr
 
 
 @pytest.mark.slow
@@ -41,6 +44,9 @@ def test_copy_experiment_reaches_99_percent(tmp_path):
     assert test["test_accuracy"] >= 0.99
     train = [r for r in read_metrics(run_dir) if r["split"] == "train"]
     assert train and all("tokens_per_s" in r and "lr" in r for r in train)
+    # Time to quality: the first validation at >= 99% exact match records its minutes, once.
+    reached = [r for r in read_metrics(run_dir) if "minutes_to_val_accuracy_0.99" in r]
+    assert len(reached) == 1 and 0 < reached[0]["minutes_to_val_accuracy_0.99"] <= reached[0]["train_minutes"]
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """What a dataset asks of training: the scores it measures, how validation computes them, and what is
 reported once training ends. The trainer only calls these; it never asks which dataset it has."""
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from transformer.config import ConfigError
 
@@ -10,6 +10,7 @@ from transformer.config import ConfigError
 class Metric:
     name: str  # the key in metrics.jsonl and in checkpoint.best_metric, e.g. "val_bleu"
     higher_is_better: bool
+    levels: Tuple[float, ...] = ()  # quality levels whose time to reach is logged (minutes_to_val_bleu_30, ...)
 
 
 VAL_LOSS = Metric("val_loss", higher_is_better=False)  # every task: the trainer computes it

@@ -29,7 +29,7 @@ class CopyTask(Task):
     name = "copy"
 
     def scores(self) -> List[Metric]:
-        return [Metric("val_accuracy", higher_is_better=True)]
+        return [Metric("val_accuracy", higher_is_better=True, levels=(0.9, 0.99, 1.0))]
 
     def validate(self, model, data, env) -> Dict[str, float]:
         return {"val_accuracy": copy_accuracy(model, data.valid, env)}

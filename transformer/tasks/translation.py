@@ -37,7 +37,8 @@ class TranslationTask(Task):
     def scores(self) -> List[Metric]:
         if not self.cfg.eval.bleu:
             return []
-        return [Metric("val_bleu", higher_is_better=True), Metric("val_chrf", higher_is_better=True)]
+        return [Metric("val_bleu", higher_is_better=True, levels=(30.0, 35.0, 38.0, 40.0)),
+                Metric("val_chrf", higher_is_better=True)]
 
     def validate(self, model, data, env) -> Dict[str, float]:
         return valid_bleu(model, data, env, self.cfg.eval) if self.cfg.eval.bleu else {}

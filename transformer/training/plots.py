@@ -52,14 +52,14 @@ def series(records: Sequence[dict], split: str, key: str) -> Tuple[List[float], 
     return steps, [points[s] for s in steps]
 
 
-def _figure(title: str, ylabel: str, lines, logy: bool = False):
+def _figure(title: str, ylabel: str, lines, logy: bool = False, xlabel: str = "step"):
     lines = [(label, xs, ys, style) for label, xs, ys, style in lines if xs]
     if not lines:
         return None
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, xs, ys, style in lines:
         ax.plot(xs, ys, style, label=label, markersize=4)
-    ax.set_xlabel("step")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     if logy:
@@ -88,6 +88,18 @@ def score_figure(records):
     return _figure("Validation scores", "score", lines)
 
 
+def time_figure(records):
+    """Validation BLEU (or accuracy, in %) against the run's wall minutes (`train_minutes`, training and
+    validation summed over resumes): time to quality."""
+    by_step = {r.get("step"): r.get("train_minutes") for r in records if r.get("split") == "valid"}
+    lines = []
+    for label, key, scale in (("val BLEU", "val_bleu", 1), ("val accuracy (%)", "val_accuracy", 100)):
+        steps, values = series(records, "valid", key)
+        points = [(by_step[s], v * scale) for s, v in zip(steps, values) if isinstance(by_step.get(s), (int, float))]
+        lines.append((label, [m for m, _ in points], [v for _, v in points], "o-"))
+    return _figure("Time to quality", "score", lines, xlabel="wall minutes")
+
+
 def lr_figure(records, cfg: Optional[dict] = None):
     """Learning rate logged during training, and Equation (3) of the paper from the run's config."""
     lines = [("logged", *series(records, "train", "lr"), ".")]
@@ -104,7 +116,8 @@ def lr_figure(records, cfg: Optional[dict] = None):
 
 
 def curve_figures(records, cfg: Optional[dict] = None) -> Dict[str, object]:
-    figs = {"loss": loss_figure(records), "scores": score_figure(records), "lr": lr_figure(records, cfg)}
+    figs = {"loss": loss_figure(records), "scores": score_figure(records), "time": time_figure(records),
+            "lr": lr_figure(records, cfg)}
     return {name: fig for name, fig in figs.items() if fig is not None}
 
 

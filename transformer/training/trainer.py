@@ -23,6 +23,7 @@ from transformer.training.checkpoint import FORMAT, Checkpointer, CheckpointErro
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.optim import build_optimizer
+from transformer.training.quality import RunClock, TimeToQuality
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Trainer:
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
         self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
+        self.clock, self.quality = RunClock(), TimeToQuality(task.metrics().values())
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
         self.metrics = MetricsLogger(run_dir)
 
@@ -77,7 +79,8 @@ class Trainer:
             "scaler": self.scaler.state_dict(),
             "trainer": {"step": self.step, "epoch": self.epoch, "batch_index": self.batch_index,
                         "best": self.best, "bad_validations": self.bad_validations,
-                        "world_size": self.env.world_size, "metric": self.metric.name},
+                        "world_size": self.env.world_size, "metric": self.metric.name,
+                        "clock": self.clock.state_dict(), "time_to_quality": self.quality.state_dict()},
             "rng": rngs,
             "tokenizer": self.data.tokenizer.state_dict(),
             "config": to_container(self.cfg),
@@ -96,6 +99,8 @@ class Trainer:
         self.scaler.load_state_dict(ckpt["scaler"])
         self.step, self.epoch, self.batch_index = t["step"], t["epoch"], t["batch_index"]
         self.best, self.bad_validations = t["best"], t["bad_validations"]
+        self.clock.load_state_dict(t.get("clock", {}))  # absent from checkpoints of earlier versions
+        self.quality.load_state_dict(t.get("time_to_quality", {}))
         rng = ckpt["rng"][self.env.rank]
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and self.env.device.type == "cuda":
@@ -113,6 +118,7 @@ class Trainer:
         """Runs until max_steps/max_epochs, early stop or a stop signal. Returns the process exit code."""
         if self._stop_before_start():
             return exit_codes.PREEMPTED
+        self.clock.start()
         self.total_steps = self._total_steps()
         progress = Progress(self.total_steps, self.step, self.tcfg.progress)
         try:
@@ -279,6 +285,10 @@ class Trainer:
         with self._rng_untouched():
             values = self.evaluate_loss(self.data.valid_loader())
             values.update(self.task.validate(self.model, self.data, self.env))
+        # Rank 0's clock for all: the levels reached and the minutes logged are the same on every rank.
+        minutes = self.env.broadcast_object(self.clock.seconds() / 60)
+        values["train_minutes"] = round(minutes, 3)
+        values.update(self.quality.update(values, minutes))
         self.metrics.log("valid", self.step, self.epoch, **values)
         score = values[self.metric.name]
         better = self.best is None or (score > self.best if self.metric.higher_is_better else score < self.best)
@@ -322,6 +332,14 @@ class Trainer:
         if values:
             self.metrics.log("test", self.step, self.epoch, **values, checkpoint="best" if path else "last")
         self._log_figures()
+        self._summary(path)
+
+    @rank_zero
+    def _summary(self, best: Optional[str]) -> None:
+        log.info("done: step %d, epoch %d, %.1f min | best %s=%s (%s, chosen by checkpoint.best_metric on the "
+                 "validation split) | time to quality: %s", self.step, self.epoch, self.clock.seconds() / 60,
+                 self.metric.name, f"{self.best:.4g}" if self.best is not None else "n/a", best or "no checkpoint",
+                 self.quality.summary())
 
     @rank_zero
     def _log_figures(self) -> None:
