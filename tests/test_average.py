@@ -86,3 +86,29 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, argv, message, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
     assert not (tmp_path / "o.pt").exists()
+
+
+@pytest.mark.slow
+def test_average_last_at_the_end_of_training_equals_the_command(tmp_path):
+    """checkpoint.average_last=K writes what `transformer-average RUN --last K` writes, scores it on validation
+    (split "average" in metrics.jsonl) and names the best file in the end-of-run summary."""
+    import json
+    import subprocess
+
+    from tests.helpers.cli import cli_env, train_cmd
+    from tests.helpers.dist import TINY
+
+    run_dir = tmp_path / "run"
+    r = subprocess.run(train_cmd(*TINY, "trainer.max_steps=9", "checkpoint.every_steps=1", "checkpoint.keep_last=3",
+                                 "checkpoint.average_last=3", f"hydra.run.dir={run_dir}"),
+                       cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    written = load_checkpoint(run_dir / "checkpoints" / "average_last3.pt")
+    assert main([str(run_dir), "--last", "3", "--output", str(tmp_path / "cmd.pt")]) == 0
+    by_command = load_checkpoint(tmp_path / "cmd.pt")
+    assert written["model"].keys() == by_command["model"].keys()
+    assert all(torch.equal(written["model"][k], by_command["model"][k]) for k in written["model"])
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    average = [rec for rec in records if rec["split"] == "average"]
+    assert len(average) == 1 and average[0]["checkpoints"] == 3 and "val_accuracy" in average[0]
+    assert "done: step 9" in r.stderr and "(chosen by checkpoint.best_metric" in r.stderr

@@ -75,6 +75,7 @@ class CheckpointConfig:
     every_steps: int = 1000  # also written at every epoch end and on preemption
     keep_last: int = 5  # `transformer-average RUN --last 5` (the paper's base-model average) works on every run
     best_metric: str = "val_loss"  # val_loss, or a score the task measures (val_bleu, val_chrf, val_accuracy)
+    average_last: int = 0  # at the end, average the last K checkpoints, score it, and make it best.pt if better
 
 
 @dataclass
@@ -159,6 +160,8 @@ def check_data(d) -> None:
 def check_checkpoint(c) -> None:
     _check(c.every_steps > 0, "checkpoint.every_steps", c.every_steps, "must be > 0")
     _check(c.keep_last >= 1, "checkpoint.keep_last", c.keep_last, "must be >= 1")
+    _check(c.average_last == 0 or 2 <= c.average_last <= c.keep_last, "checkpoint.average_last", c.average_last,
+           f"must be 0 (off) or between 2 and checkpoint.keep_last={c.keep_last}")
 
 
 def check_eval(e, key: str = "eval") -> None:

@@ -113,6 +113,14 @@ class Checkpointer:
             old.unlink(missing_ok=True)
         return path
 
+    def target(self, link: Path) -> Path:
+        """The file that `link` (last.pt or best.pt, hard links) shares its contents with."""
+        inode = link.stat().st_ino
+        for p in sorted(self.folder.glob("*.pt")):
+            if p.name not in ("last.pt", "best.pt") and p.stat().st_ino == inode:
+                return p
+        return link
+
     def remove_stale_temp_files(self):
         """Deletes the temporary files (atomic_open's `.NAME.*.tmp`, atomic_link's `.NAME.link.tmp`) that a
         write killed mid-way left in this folder, and only those; returns their paths."""

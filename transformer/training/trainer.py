@@ -19,7 +19,8 @@ from transformer.config import to_container
 from transformer.dist import DistEnv, rank_zero
 from transformer.specials import PAD
 from transformer.tasks import Task
-from transformer.training.checkpoint import FORMAT, Checkpointer, CheckpointError, load_checkpoint
+from transformer.training.checkpoint import (FORMAT, Checkpointer, CheckpointError, atomic_link, atomic_save,
+                                             load_checkpoint)
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.optim import build_optimizer
@@ -280,20 +281,27 @@ class Trainer:
             self._last_val = (self.step, self.validate())
         return self._last_val[1]
 
-    def validate(self) -> bool:
-        """Loss (summed over all ranks' tokens) and a decoding score; returns whether this is the best so far."""
+    def scores(self) -> dict:
+        """Validation loss (summed over all ranks' tokens) and the task's decoding scores; collective."""
         with self._rng_untouched():
             values = self.evaluate_loss(self.data.valid_loader())
             values.update(self.task.validate(self.model, self.data, self.env))
+        return values
+
+    def _better(self, score: float) -> bool:
+        return self.best is None or (score > self.best if self.metric.higher_is_better else score < self.best)
+
+    def validate(self) -> bool:
+        """Scores the current weights; returns whether they are the best so far."""
+        values = self.scores()
         # Rank 0's clock for all: the levels reached and the minutes logged are the same on every rank.
         minutes = self.env.broadcast_object(self.clock.seconds() / 60)
         values["train_minutes"] = round(minutes, 3)
         values.update(self.quality.update(values, minutes))
         self.metrics.log("valid", self.step, self.epoch, **values)
-        score = values[self.metric.name]
-        better = self.best is None or (score > self.best if self.metric.higher_is_better else score < self.best)
+        better = self._better(values[self.metric.name])
         if better:
-            self.best, self.bad_validations = score, 0
+            self.best, self.bad_validations = values[self.metric.name], 0
         else:
             self.bad_validations += 1
         return better
@@ -321,9 +329,43 @@ class Trainer:
             path = self.checkpointer.save(state, self.step, is_best)
             log.info("checkpoint %s%s", path, " (best)" if is_best else "")
 
+    def average_last(self) -> None:
+        """checkpoint.average_last=K: the average of the last K checkpoints (as `transformer-average RUN --last
+        K` writes it) is saved as checkpoints/average_lastK.pt and scored on validation; if it beats the best
+        checkpoint on checkpoint.best_metric, best.pt becomes it. Collective."""
+        K = self.cfg.checkpoint.average_last
+        if K < 2:
+            return
+        path = self.env.broadcast_object(self._write_average(K))
+        if path is None:
+            return
+        self.model.load_state_dict(load_checkpoint(path)["model"])
+        values = self.scores()
+        self.metrics.log("average", self.step, self.epoch, **values, checkpoints=K)
+        if self._better(values[self.metric.name]):
+            self.best = values[self.metric.name]
+            self._link_best(path)
+
+    @rank_zero
+    def _write_average(self, K: int) -> Optional[str]:
+        if self.checkpointer is None or len(self.checkpointer.step_files()) < K:
+            log.warning("checkpoint.average_last=%d: fewer checkpoints than that were kept; nothing averaged", K)
+            return None
+        from transformer.training.averaging import average_checkpoints, last_checkpoints
+
+        out = self.checkpointer.folder / f"average_last{K}.pt"
+        atomic_save(average_checkpoints(last_checkpoints(self.run_dir, K)), out)
+        return str(out)
+
+    @rank_zero
+    def _link_best(self, path: str) -> None:
+        atomic_link(Path(path), self.checkpointer.folder / "best.pt")
+        log.info("best.pt is now %s (better %s than every single checkpoint)", path, self.metric.name)
+
     def final_eval(self) -> None:
         """The task's final scores (the copy task: accuracy on fresh sequences), with the weights of best.pt,
         chosen on the validation split as for any model selection; then the figures."""
+        self.average_last()
         best = self.checkpointer.folder / "best.pt" if self.checkpointer is not None else None
         path = self.env.broadcast_object(str(best) if best is not None and best.is_file() else None)
         if path is not None:
@@ -336,9 +378,10 @@ class Trainer:
 
     @rank_zero
     def _summary(self, best: Optional[str]) -> None:
-        log.info("done: step %d, epoch %d, %.1f min | best %s=%s (%s, chosen by checkpoint.best_metric on the "
+        chosen = self.checkpointer.target(Path(best)) if best else "no checkpoint"  # best.pt links to it
+        log.info("done: step %d, epoch %d, %.1f min | best %s=%s: %s (chosen by checkpoint.best_metric on the "
                  "validation split) | time to quality: %s", self.step, self.epoch, self.clock.seconds() / 60,
-                 self.metric.name, f"{self.best:.4g}" if self.best is not None else "n/a", best or "no checkpoint",
+                 self.metric.name, f"{self.best:.4g}" if self.best is not None else "n/a", chosen,
                  self.quality.summary())
 
     @rank_zero
