@@ -28,7 +28,9 @@ sys.path.insert(0, str(REPO))
 from transformer.config import EvalConfig, ModelConfig  # noqa: E402
 from transformer.data.batch import BOS, EOS  # noqa: E402
 from transformer.data.corpus import read_lines  # noqa: E402
-from transformer.decoding import encode_batch, length_batches, max_lengths, search  # noqa: E402
+from tests.helpers.decoding import Uncached  # noqa: E402 (the uncached decoder lives with the tests)
+from transformer.decoding import encode_batch, length_batches, search  # noqa: E402
+from transformer.decoding.search import max_lengths  # noqa: E402
 
 
 def find_multi30k() -> Path:
@@ -41,8 +43,8 @@ def find_multi30k() -> Path:
 
 def build_model(args, data: Path):
     if args.checkpoint:
-        from transformer.cli.translate import load
-        model, tokenizer, _ = load(args.checkpoint, torch.device("cpu"))
+        from transformer.training.checkpoint import load_model
+        model, tokenizer, _ = load_model(args.checkpoint)
         return model, tokenizer, f"checkpoint {args.checkpoint}"
     from transformer.data.tokenizer import SpacyTokenizer
     from transformer.model import Transformer
@@ -53,7 +55,7 @@ def build_model(args, data: Path):
     del tok.train_ids
     torch.manual_seed(0)
     model = Transformer.from_config(ModelConfig(N=3, d_model=256, d_ff=1024, h=8, dropout=0.0), tok.src_vocab_size,
-                        tok.tgt_vocab_size)
+                                    tok.tgt_vocab_size)
     return model.eval(), tok, (f"random init, N=3 d_model=256 d_ff=1024 h=8, spaCy vocab de {tok.src_vocab_size} / "
                                f"en {tok.tgt_vocab_size} (built in {time.perf_counter() - t:.0f}s)")
 
@@ -61,9 +63,10 @@ def build_model(args, data: Path):
 def ours(model, ids, cfg: EvalConfig, device, use_cache: bool, stop: bool):
     """Batched search as translate_sentences runs it (without the tokenisation)."""
     tokens = 0
+    decoder = model if use_cache else Uncached(model)
     for batch in length_batches([len(x) + 1 for x in ids], cfg.batch_tokens):
         src = encode_batch([ids[i] for i in batch], device)
-        for nbest in search(model, src, cfg, use_cache=use_cache, stop_at_eos=stop):
+        for nbest in search(decoder, src, cfg, stop_at_eos=stop):
             tokens += len(nbest[0].tokens) + 1  # + </s>
     return tokens
 
