@@ -91,7 +91,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # worker processes are the parallelism
+    # HF tokenizers may use every core in this process (BPE training; encoding with one worker): encoding
+    # workers are spawned, not forked, and turn it off for themselves (transformer/data/encode.py).
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s] %(message)s", datefmt="%H:%M:%S", stream=sys.stderr)
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException

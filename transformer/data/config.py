@@ -16,6 +16,13 @@ class CopyConfig:
 
 
 @dataclass
+class Wmt14Config:
+    """Cleaning of the WMT14 training corpora (transformer/data/wmt14.py), on whitespace-separated words."""
+    max_words: int = 250  # a pair with a longer side is dropped
+    max_ratio: float = 1.5  # ... and one whose sides differ more than this factor in length
+
+
+@dataclass
 class DataConfig:
     name: str = "copy"  # copy | multi30k | files | wmt14
     src_lang: str = "de"
@@ -42,6 +49,7 @@ class DataConfig:
     # preprocessing data.* on the fly. Its tokenizer and filtering were fixed when it was made.
     preprocessed: Optional[str] = None
     copy: CopyConfig = field(default_factory=CopyConfig)
+    wmt14: Wmt14Config = field(default_factory=Wmt14Config)
 
 
 @dataclass

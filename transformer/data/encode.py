@@ -5,6 +5,8 @@ A chunk's result is small and picklable: for BPE the ids themselves; for spaCy t
 token strings plus, per token, its index among them and whether no whitespace followed it (the parent
 maps strings to vocabulary ids, and the whitespace flags teach the detokeniser).
 """
+import os
+from itertools import chain
 from typing import Dict, List, Sequence, Tuple
 
 import numpy as np
@@ -38,9 +40,9 @@ def spacy_chunk(lang: str, lowercase: bool, texts: Sequence[str]) -> Tuple[List[
     """(distinct tokens, index of each token among them, tokens per sentence, no-space-after flags)."""
     toks, spaces = spacy_tokenize(spacy_tokenizer(lang), texts, lowercase, with_spaces=True)
     index: Dict[str, int] = {}
-    local = np.fromiter((index.setdefault(t, len(index)) for s in toks for t in s), dtype=np.int32)
-    lengths = np.fromiter((len(s) for s in toks), dtype=np.int32, count=len(toks))
-    nospace = np.fromiter((not sp for s in spaces for sp in s), dtype=bool, count=len(local))
+    local = np.fromiter(map(lambda t: index.setdefault(t, len(index)), chain.from_iterable(toks)), dtype=np.int32)
+    lengths = np.fromiter(map(len, toks), dtype=np.int32, count=len(toks))
+    nospace = ~np.fromiter(chain.from_iterable(spaces), dtype=bool, count=len(local))
     return list(index), local, lengths, nospace
 
 
@@ -51,9 +53,14 @@ def bpe_chunk(state_file: str, texts: Sequence[str]) -> Tuple[np.ndarray, np.nda
         from tokenizers import Tokenizer
         _LOADED[key] = Tokenizer.from_file(state_file)
     ids = [e.ids for e in _LOADED[key].encode_batch(list(texts), add_special_tokens=False)]
-    lengths = np.fromiter((len(s) for s in ids), dtype=np.int32, count=len(ids))
-    flat = np.fromiter((t for s in ids for t in s), dtype=np.int32, count=int(lengths.sum()))
+    lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
+    flat = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
     return flat, lengths
+
+
+def worker_init() -> None:
+    """In a worker process: the processes are the parallelism, so HF tokenizers runs single-threaded."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def encode_pair_chunk(src_spec: tuple, tgt_spec: tuple, src: Sequence[str], tgt: Sequence[str]):

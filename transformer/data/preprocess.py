@@ -21,7 +21,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from transformer.data.corpus import count_pairs, iter_lines, iter_pairs
-from transformer.data.encode import encode_pair_chunk
+from transformer.data.encode import encode_pair_chunk, worker_init
 from transformer.data.store import VALID_TEXT, RaggedWriter, Staging, token_dtype, write_valid_text
 from transformer.data.tokenizer import BpeTokenizer, SpacyTokenizer, check_tokenizer_config, tokenizer_from_state
 from transformer.data.vocab_stream import VocabCounter, strings_to_ids
@@ -55,7 +55,7 @@ class OrderedPool:
         if self._pool is None:
             # spawn, not fork: a child of a large parent (spaCy's string table, HF's threads) starts clean,
             # and `fn` lives in a module that does not import torch.
-            self._pool = multiprocessing.get_context("spawn").Pool(self.workers)
+            self._pool = multiprocessing.get_context("spawn").Pool(self.workers, initializer=worker_init)
         pending = deque()
         for key, args in tasks:
             pending.append((key, self._pool.apply_async(fn, args)))
