@@ -4,7 +4,10 @@ Names are imported on first use: preprocessing worker processes import `transfor
 must not pay for torch, which `batch` and `module` import."""
 import importlib
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from transformer.data.module import DataModule
 
 _LAZY = {"BOS": "batch", "EOS": "batch", "PAD": "batch", "SPECIALS": "batch", "UNK": "batch", "Batch": "batch",
          "DataModule": "module"}
@@ -17,7 +20,7 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'transformer.data' has no attribute {name!r}")
 
 
-def build_data(cfg, env, run_dir: Optional[Path] = None) -> "DataModule":  # noqa: F821
+def build_data(cfg, env, run_dir: Optional[Path] = None) -> "DataModule":
     """`env` is the `transformer.dist.DistEnv` of this worker: rank 0 prepares shared files while the
     others wait at `env.barrier()`. `run_dir` (rank 0 only writes there) receives the tokenizer files."""
     name = cfg.data.name

@@ -7,7 +7,7 @@ Encoders add no specials: the collate function appends </s> to the source and fr
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 from transformer.atomic import write_text_atomic
 from transformer.data.batch import BOS, EOS, PAD, SPECIALS, UNK
