@@ -28,3 +28,29 @@ def test_files_needs_train_and_val(make_cfg):
 def test_typo_in_data_key_fails(make_cfg):
     with pytest.raises(Exception, match="max_tokenz"):
         make_cfg("data=multi30k", "data.max_tokenz=1")
+
+
+def test_wmt14_recipes_follow_the_paper(make_cfg):
+    base, big = make_cfg("experiment=wmt14_base"), make_cfg("experiment=wmt14_big")
+    for cfg in (base, big):
+        assert (cfg.data.name, cfg.data.src_lang, cfg.data.tgt_lang) == ("wmt14", "en", "de")
+        assert (cfg.data.valid_split, list(cfg.data.test_splits)) == ("newstest2013", ["newstest2014"])
+        assert (cfg.tokenizer.name, cfg.tokenizer.vocab_size, cfg.model.tie_embeddings) == ("bpe", 37000, "all")
+        assert (cfg.optim.warmup, cfg.trainer.label_smoothing) == (4000, 0.1)
+        assert (cfg.eval.beam, cfg.eval.lenpen, cfg.eval.max_len_a, cfg.eval.max_len_b) == (4, 0.6, 1.0, 50)
+        # about 25k tokens a step on 8 workers (README, "WMT14")
+        assert 24000 <= cfg.data.max_tokens * 8 * cfg.trainer.accumulate <= 27000
+    assert (base.model.d_model, base.model.dropout, base.trainer.max_steps, base.checkpoint.keep_last) == \
+        (512, 0.1, 100000, 5)
+    assert (big.model.d_model, big.model.h, big.model.dropout, big.trainer.max_steps, big.checkpoint.keep_last) == \
+        (1024, 16, 0.3, 300000, 20)
+
+
+def test_preprocess_config_composes_the_same_groups():
+    from transformer.cli.preprocess import compose
+    cfg = compose(["data=wmt14", "tokenizer=bpe", "tokenizer.vocab_size=37000", "preprocess.out_dir=x",
+                   "preprocess.workers=3"])
+    assert (cfg.data.name, cfg.tokenizer.vocab_size, cfg.preprocess.workers, cfg.preprocess.chunk_size) == \
+        ("wmt14", 37000, 3, 10000)
+    with pytest.raises(Exception, match="workerz"):
+        compose(["preprocess.out_dir=x", "preprocess.workerz=3"])

@@ -120,3 +120,54 @@ def test_datamodule_loaders_cover_the_split_and_resume():
         assert torch.equal((batch.src == EOS).sum(1), torch.ones(len(batch), dtype=torch.long))
     valid = sorted(i for dm in dms for batch in dm.valid_loader() for i in batch.ids.tolist())
     assert valid == list(range(200))
+
+
+def _loop_batches(src, tgt, max_tokens, max_sentences, seed, epoch, world_size, shuffle=True):
+    """The sampler's first implementation (a Python loop over examples), kept as the reference the
+    vectorised one must reproduce batch for batch."""
+    rng = np.random.default_rng([seed, epoch])
+    order = rng.permutation(len(src)) if shuffle else np.arange(len(src))
+    size = np.maximum(src, tgt)
+    order = order[np.lexsort((src[order], tgt[order], size[order]))]
+    batches, start, max_sentences = [], 0, max_sentences or len(src)
+    for i, longest in enumerate(size[order].tolist()):
+        n = i - start + 1
+        if n > max_sentences or n * longest > max_tokens:
+            batches.append(order[start:i])
+            start = i
+    batches.append(order[start:])
+    batches = TokenBatchSampler(src, tgt, max_tokens, world_size=world_size)._split_to_multiple(batches)
+    return [batches[j] for j in rng.permutation(len(batches))] if shuffle else batches
+
+
+@pytest.mark.parametrize("max_tokens,max_sentences,world_size,shuffle",
+                         [(500, None, 1, True), (300, 7, 3, True), (2000, 64, 2, True), (71, None, 2, False)])
+def test_vectorised_plan_equals_the_loop(max_tokens, max_sentences, world_size, shuffle):
+    src, tgt = _sizes(3000, seed=4)
+    for epoch in (0, 5):
+        ours = TokenBatchSampler(src, tgt, max_tokens, max_sentences, seed=9, world_size=world_size,
+                                 shuffle=shuffle).epoch_batches(epoch)
+        ref = _loop_batches(src, tgt, max_tokens, max_sentences, 9, epoch, world_size, shuffle)
+        assert len(ours) == len(ref) and all(np.array_equal(a, b) for a, b in zip(ours, ref))
+
+
+def test_memory_mapped_dataset_pickles_as_paths(tmp_path):
+    """DataLoader workers started by spawn unpickle the dataset: they must map the files, not copy them."""
+    import pickle
+
+    from transformer.data.store import RaggedWriter
+    w = RaggedWriter(tmp_path, "train", "src", np.uint16)
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 30, 5000)
+    w.append(rng.integers(4, 60000, int(lengths.sum())), lengths)
+    w.close()
+    r = Ragged.open(tmp_path / "train.src.tokens.npy", tmp_path / "train.src.offsets.npy")
+    assert isinstance(r.data, np.memmap) and r.data.dtype == np.uint16 and len(r) == 5000
+    data = PairDataset(r, r)
+    blob = pickle.dumps(data)
+    assert len(blob) < 2000 < r.data.nbytes
+    again = pickle.loads(blob)
+    assert isinstance(again.src.data, np.memmap)
+    assert all(np.array_equal(again[i][1], data[i][1]) for i in (0, 17, 4999))
+    plain = Ragged.from_lists([[4, 5], [6]])
+    assert pickle.loads(pickle.dumps(plain))[0].tolist() == [4, 5]  # in-memory arrays still pickle by value

@@ -119,11 +119,58 @@ def serve(folder: Path, fail_first: int = 0):
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.requests, server.fail_first = [], fail_first
+    with _running(server):
+        yield f"http://127.0.0.1:{server.server_address[1]}", server.requests
+
+
+@contextmanager
+def _running(server):
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", server.requests
+        yield
     finally:
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+class _RangeHandler(http.server.BaseHTTPRequestHandler):
+    """GET with `Range: bytes=N-` support (206), and connections cut after `cut[path]` bytes, once per path."""
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self.server.requests.append((self.path, self.headers.get("Range")))
+        path = Path(self.server.folder) / self.path.lstrip("/")
+        if not path.is_file():
+            self.send_error(404, "not found")
+            return
+        data = path.read_bytes()
+        start = 0
+        if self.headers.get("Range", "").startswith("bytes="):
+            start = int(self.headers["Range"][6:].split("-")[0])
+            if start >= len(data):
+                self.send_error(416, "range not satisfiable")
+                return
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{len(data) - 1}/{len(data)}")
+        else:
+            self.send_response(200)
+        self.send_header("Content-Length", str(len(data) - start))
+        self.end_headers()
+        cut = self.server.cut.pop(self.path, None)
+        self.wfile.write(data[start:cut])  # a cut sends less than announced, then closes: an interruption
+        self.wfile.flush()
+        if cut is not None:
+            self.close_connection = True
+
+
+@contextmanager
+def serve_ranges(folder: Path, cut: Optional[dict] = None):
+    """Like `serve`, for resumable downloads: yields (base url, list of (path, Range header))."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
+    server.folder, server.cut, server.requests = str(folder), dict(cut or {}), []
+    with _running(server):
+        yield f"http://127.0.0.1:{server.server_address[1]}", server.requests

@@ -1,21 +1,33 @@
-"""Datasets: `build_data(cfg, env, run_dir)` returns the `DataModule` the trainer reads."""
+"""Datasets: `build_data(cfg, env, run_dir)` returns the `DataModule` the trainer reads.
+
+Names are imported on first use: preprocessing worker processes import `transformer.data.encode` and
+must not pay for torch, which `batch` and `module` import."""
+import importlib
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from transformer.data.batch import BOS, EOS, PAD, SPECIALS, UNK, Batch
-from transformer.data.module import DataModule
+if TYPE_CHECKING:
+    from transformer.data.module import DataModule
 
-__all__ = ["BOS", "EOS", "PAD", "SPECIALS", "UNK", "Batch", "DataModule", "build_data"]
+_LAZY = {"BOS": "batch", "EOS": "batch", "PAD": "batch", "SPECIALS": "batch", "UNK": "batch", "Batch": "batch",
+         "DataModule": "module"}
+__all__ = [*_LAZY, "build_data"]
 
 
-def build_data(cfg, env, run_dir: Optional[Path] = None) -> DataModule:
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"transformer.data.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'transformer.data' has no attribute {name!r}")
+
+
+def build_data(cfg, env, run_dir: Optional[Path] = None) -> "DataModule":
     """`env` is the `transformer.dist.DistEnv` of this worker: rank 0 prepares shared files while the
     others wait at `env.barrier()`. `run_dir` (rank 0 only writes there) receives the tokenizer files."""
     name = cfg.data.name
     if name == "copy":
         from transformer.data.copy import CopyData
         return CopyData(cfg, cfg.seed, env.rank, env.world_size)
-    if name in ("multi30k", "files"):
+    if name in ("multi30k", "files", "wmt14") or cfg.data.preprocessed:
         from transformer.data.translation import build_translation_data
         return build_translation_data(cfg, env, run_dir)
-    raise ValueError(f"data.name={name!r}: must be copy, multi30k or files")
+    raise ValueError(f"data.name={name!r}: must be copy, multi30k, files or wmt14")

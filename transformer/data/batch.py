@@ -1,7 +1,7 @@
 """Ragged token storage, the padded `Batch` the model consumes, and the collate function that makes it."""
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -10,10 +10,30 @@ from transformer.specials import BOS, EOS, PAD, SPECIALS, UNK  # noqa: F401 (re-
 
 
 class Ragged:
-    """Variable-length int sequences in one flat array plus offsets (cheap to save, load and slice)."""
+    """Variable-length int sequences in one flat array plus offsets (cheap to store, map and slice).
+
+    `Ragged.open` memory-maps a preprocessed folder's arrays (transformer/data/store.py); such a Ragged
+    pickles as its two paths, so a DataLoader worker started by spawn maps the files too, never a copy."""
 
     def __init__(self, data: np.ndarray, offsets: np.ndarray):
         self.data, self.offsets = data, offsets
+        self.paths: Optional[Tuple[str, str]] = None
+
+    @classmethod
+    def open(cls, tokens: str, offsets: str) -> "Ragged":
+        from transformer.data.store import open_ragged_arrays
+        r = cls(*open_ragged_arrays(Path(tokens), Path(offsets)))
+        r.paths = (str(tokens), str(offsets))
+        return r
+
+    def __reduce__(self):
+        if self.paths is not None:
+            return Ragged.open, self.paths
+        return Ragged, (self.data, self.offsets)
+
+    def close(self) -> None:
+        """Drops the arrays (and with them any memory map)."""
+        self.data = self.offsets = None
 
     @classmethod
     def from_lists(cls, seqs: Sequence[Sequence[int]]) -> "Ragged":
@@ -31,15 +51,7 @@ class Ragged:
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
-
-    def save(self, path: Path) -> None:
-        np.savez(path, data=self.data, offsets=self.offsets)
-
-    @classmethod
-    def load(cls, path: Path) -> "Ragged":
-        with np.load(path) as f:
-            return cls(f["data"], f["offsets"])
+        return np.diff(np.asarray(self.offsets))
 
 
 class PairDataset(torch.utils.data.Dataset):
@@ -55,6 +67,10 @@ class PairDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> Tuple[int, np.ndarray, np.ndarray]:
         return i, self.src[i], self.tgt[i]
+
+    def close(self) -> None:
+        self.src.close()
+        self.tgt.close()
 
     @property
     def src_sizes(self) -> np.ndarray:

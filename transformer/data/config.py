@@ -1,6 +1,8 @@
-"""Typed schemas of the `data` and `tokenizer` config groups."""
+"""Typed schemas of the `data` and `tokenizer` config groups, and of `transformer-preprocess`'s config."""
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
+
+from omegaconf import MISSING
 
 
 @dataclass
@@ -14,8 +16,15 @@ class CopyConfig:
 
 
 @dataclass
+class Wmt14Config:
+    """Cleaning of the WMT14 training corpora (transformer/data/wmt14.py), on whitespace-separated words."""
+    max_words: int = 250  # a pair with a longer side is dropped
+    max_ratio: float = 1.5  # ... and one whose sides differ more than this factor in length
+
+
+@dataclass
 class DataConfig:
-    name: str = "copy"  # copy | multi30k | files
+    name: str = "copy"  # copy | multi30k | files | wmt14
     src_lang: str = "de"
     tgt_lang: str = "en"
     root: Optional[str] = None  # cache/download folder; None = $XDG_CACHE_HOME/transformer or ~/.cache/transformer
@@ -36,7 +45,11 @@ class DataConfig:
     bad_pairs: str = "skip"  # skip (logged count) | error (names the file and line): empty or over-length pairs
     num_workers: Optional[int] = None  # DataLoader workers; None = 2 on GPU, 0 on CPU
     cache_dir: Optional[str] = None  # preprocessed ids, keyed by a hash of data + tokenizer config; None = <user cache dir>/transformer/cache
+    # A folder made by transformer-preprocess: train from it (memory-mapped; every node must see it) instead of
+    # preprocessing data.* on the fly. Its tokenizer and filtering were fixed when it was made.
+    preprocessed: Optional[str] = None
     copy: CopyConfig = field(default_factory=CopyConfig)
+    wmt14: Wmt14Config = field(default_factory=Wmt14Config)
 
 
 @dataclass
@@ -47,3 +60,31 @@ class TokenizerConfig:
     max_vocab: Optional[int] = None  # spacy: keep at most this many words per language (specials included)
     lowercase: bool = False
     vocab_size: int = 10000  # bpe: shared source+target vocabulary size (specials included)
+    # bpe: learn the merges from at most this many training sentences (source and target lines count alike),
+    # drawn at random with `seed`; null = all. Encoding always covers the whole corpus.
+    train_sample: Optional[int] = 1_000_000
+
+
+@dataclass
+class PreprocessOptions:
+    """How `transformer-preprocess` runs; none of these change the folder it writes."""
+    out_dir: str = MISSING  # the folder to write (created; `transformer-train data.preprocessed=OUT_DIR` reads it)
+    workers: Optional[int] = None  # encoding processes; None = every CPU this process may use
+    chunk_size: int = 10000  # pairs read, encoded and written at a time: peak memory grows with it, not the corpus
+    overwrite: bool = False  # replace an existing out_dir (the old one stays until the new one is complete)
+    progress: bool = True  # progress bars on stderr
+
+
+@dataclass
+class PreprocessConfig:
+    """conf/preprocess.yaml: the data and tokenizer groups of transformer-train, plus `preprocess`."""
+    data: DataConfig = MISSING
+    tokenizer: TokenizerConfig = MISSING
+    preprocess: PreprocessOptions = field(default_factory=PreprocessOptions)
+    seed: int = 1234  # draws the BPE training sample (tokenizer.train_sample)
+
+
+def register_preprocess_configs() -> None:
+    """conf/preprocess.yaml lists `preprocess_schema` first, so every group merges into its typed node."""
+    from hydra.core.config_store import ConfigStore
+    ConfigStore.instance().store(name="preprocess_schema", node=PreprocessConfig)

@@ -1,10 +1,11 @@
-"""Checksummed, atomic downloads of the Multi30k task-1 raw files (Elliott et al., 2016).
+"""Checksummed, atomic, resumable downloads; the Multi30k task-1 raw files (Elliott et al., 2016).
 
-A file is only ever visible under its final name once its sha256 matches the table below: bytes
-stream into a temporary file in the same folder, which is fsynced and `os.replace`d into place.
-A folder that already holds verified files is used without any network access.
+A file is only ever visible under its final name once complete and its checksum matches: bytes stream
+into `.NAME.part` in the same folder (kept, so an interrupted download resumes), which is fsynced and
+`os.replace`d into place. A folder that already holds verified files is used without any network access.
 """
 import hashlib
+import http.client
 import logging
 import os
 import time
@@ -13,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Dict, Iterable, Optional
 
-from transformer.atomic import atomic_open
+from transformer.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
 
@@ -70,48 +71,82 @@ def verify(path: Path, expected: str) -> None:
                          "delete it to download it again")
 
 
-def fetch(url: str, dest: Path, sha256: str, *, retries: int = 4, timeout_s: float = 60.0,
-          backoff_s: float = 1.0, progress: bool = True) -> Path:
-    """Downloads `url` to `dest`, which appears only if its sha256 is `sha256`.
+def fetch(url: str, dest: Path, sha256: Optional[str] = None, *, md5: Optional[str] = None, retries: int = 4,
+          timeout_s: float = 60.0, backoff_s: float = 1.0, progress: bool = True) -> str:
+    """Downloads `url` to `dest`, which appears only once complete and, where a checksum is given, matching it.
+    Returns the file's sha256.
 
-    Network failures are retried `retries` times in all, waiting backoff_s * 2**k in between; a
-    404 or a checksum mismatch is not retried (it would fail the same way again)."""
+    Bytes go to `.DEST.part` beside it; an interrupted transfer (a reset, a timeout, a killed process) is
+    resumed from there with an HTTP Range request, by the next attempt or the next run. Network failures are
+    retried `retries` times in all, waiting backoff_s * 2**k in between; a 404 or a checksum mismatch is not
+    retried (it would fail the same way again), and a mismatching file is deleted."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    last: Optional[BaseException] = None
+    part = dest.parent / f".{dest.name}.part"
+    done, last = False, None
     for attempt in range(max(1, retries)):
         if attempt:
             time.sleep(backoff_s * 2 ** (attempt - 1))
         try:
-            _fetch_once(url, dest, sha256, timeout_s, progress)
-            return dest
-        except DownloadError:  # wrong bytes: fetching again would give the same
-            raise
+            _fetch_once(url, part, timeout_s, progress)
+            done = True
+            break
         except urllib.error.HTTPError as e:
             last = e
             if e.code in (401, 403, 404, 410):
                 break
-        except (urllib.error.URLError, OSError, TimeoutError) as e:  # refused, reset, DNS, timeout
+        except (urllib.error.URLError, OSError, TimeoutError, http.client.HTTPException) as e:  # refused, reset, ...
             last = e
         log.warning("download of %s failed (attempt %d/%d): %s", url, attempt + 1, retries, last)
-    raise DownloadError(f"could not download {url}: {last}. To run offline, put the file at {dest} "
-                        "(or point data.root at a folder holding the Multi30k files)")
+    if not done:
+        kept = f"; the {part.stat().st_size} bytes received are kept in {part} and the next run resumes" \
+            if part.exists() else ""
+        raise DownloadError(f"could not download {url}: {last}{kept}. To run offline, put the file at {dest} "
+                            "(or point data.root at a folder holding the dataset's files)")
+    digests = {"sha256": hashlib.sha256(), "md5": hashlib.md5()}
+    with open(part, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            for h in digests.values():
+                h.update(chunk)
+    for name, want in (("sha256", sha256), ("md5", md5)):
+        if want is not None and digests[name].hexdigest() != want:
+            part.unlink()
+            raise DownloadError(f"{url}: {name} is {digests[name].hexdigest()}, expected {want}; nothing was "
+                                f"written to {dest}")
+    with open(part, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(part, dest)
+    fsync_dir(dest.parent)
+    return digests["sha256"].hexdigest()
 
 
-def _fetch_once(url: str, dest: Path, sha256: str, timeout_s: float, progress: bool) -> None:
+def _fetch_once(url: str, part: Path, timeout_s: float, progress: bool) -> None:
+    """Appends the rest of `url` to `part` (all of it when `part` is absent or the server ignores ranges)."""
     from tqdm import tqdm
 
-    h = hashlib.sha256()
-    # The bytes stream into DEST's temporary twin, renamed to DEST only once the checksum has matched.
-    with atomic_open(dest, "wb", suffix=".part") as out, urllib.request.urlopen(url, timeout=timeout_s) as resp:
-        total = resp.headers.get("Content-Length")
-        with tqdm(total=int(total) if total else None, unit="B", unit_scale=True, desc=dest.name,
-                  disable=not progress, leave=False) as bar:
+    have = part.stat().st_size if part.exists() else 0
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    try:
+        resp = urllib.request.urlopen(request, timeout=timeout_s)
+    except urllib.error.HTTPError as e:
+        if e.code == 416 and have:  # nothing left to send: the part is the whole file
+            return
+        raise
+    with resp:
+        resumed = have and resp.status == 206
+        length = resp.headers.get("Content-Length")
+        total = (have if resumed else 0) + int(length) if length else None
+        if have and not resumed:
+            log.info("%s: the server does not resume downloads; starting over", url)
+        with open(part, "ab" if resumed else "wb") as out, \
+                tqdm(total=total, initial=have if resumed else 0, unit="B", unit_scale=True, desc=part.name[1:-5],
+                     disable=not progress, leave=False, mininterval=1.0) as bar:
             for chunk in iter(lambda: resp.read(_CHUNK), b""):
                 out.write(chunk)
-                h.update(chunk)
                 bar.update(len(chunk))
-        if h.hexdigest() != sha256:
-            raise DownloadError(f"{url}: sha256 is {h.hexdigest()}, expected {sha256}; nothing was written to {dest}")
+            out.flush()
+            size = out.tell()
+    if total is not None and size < total:
+        raise ConnectionError(f"connection closed after {size} of {total} bytes")
 
 
 def ensure_multi30k(root: Path, splits: Iterable[str], langs: Iterable[str], url: str, *, retries: int = 4,

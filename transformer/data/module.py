@@ -55,9 +55,12 @@ class DataModule:
 
     def _loader(self, dataset: PairDataset, batches: List[np.ndarray]) -> Iterable[Batch]:
         return torch.utils.data.DataLoader(
-            dataset, batch_sampler=[b.tolist() for b in batches], collate_fn=collate,
+            dataset, batch_sampler=batches, collate_fn=collate,  # index arrays, not lists: no per-epoch copy
             num_workers=self.num_workers, pin_memory=self.pin_memory,
             persistent_workers=False, prefetch_factor=4 if self.num_workers else None)
 
     def close(self) -> None:
-        pass
+        """Releases the splits' memory maps (the trainer calls this when it is done)."""
+        for split in (self.train, self.valid):
+            if hasattr(split, "close"):
+                split.close()

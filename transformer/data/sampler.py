@@ -32,30 +32,40 @@ class TokenBatchSampler:
             raise ValueError(f"{len(self.src_sizes)} examples cannot be shared by {world_size} workers")
 
     def epoch_batches(self, epoch: int) -> List[np.ndarray]:
-        """All ranks' batches of `epoch`, in the order they are consumed."""
+        """All ranks' batches of `epoch`, in the order they are consumed. Vectorised: planning an epoch
+        of 4.5M pairs costs a sort and one `searchsorted` per batch (benchmarks/bench_scale.py)."""
         if self._cache[0] == epoch:
             return self._cache[1]
         rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.src_sizes)) if self.shuffle else np.arange(len(self.src_sizes))
+        n = len(self.src_sizes)
+        order = rng.permutation(n) if self.shuffle else np.arange(n)
         # Sort by the batch cost's own length, max(source, target), then target, then source, so a batch
         # holds similar lengths on both sides; the permutation breaks the remaining ties at random. On
         # Multi30k this pads 3.7% of tokens, against 6.1% for a (target, source) sort (benchmarks/bench_data.py).
+        # One stable sort of a combined key is the lexsort of the three keys.
         size = np.maximum(self.src_sizes, self.tgt_sizes)
-        order = order[np.lexsort((self.src_sizes[order], self.tgt_sizes[order], size[order]))]
-        size = size[order].tolist()  # non-decreasing: the last example of a batch is its longest
-        batches, start = [], 0
-        for i, longest in enumerate(size):
-            n = i - start + 1
-            if n > self.max_sentences or n * longest > self.max_tokens:
-                batches.append(order[start:i])
-                start = i
-        if start < len(order):
-            batches.append(order[start:])
+        bits = max(int(size.max(initial=0)).bit_length(), 1)
+        key = (size << (2 * bits)) | (self.tgt_sizes << bits) | self.src_sizes
+        order = order[np.argsort(key[order], kind="stable")]
+        batches = [order[a:b] for a, b in self._bounds(size[order])]
         batches = self._split_to_multiple(batches)
         if self.shuffle:
             batches = [batches[j] for j in rng.permutation(len(batches))]
         self._cache = (epoch, batches)
         return batches
+
+    def _bounds(self, size: np.ndarray):
+        """Greedy packing of `size` (non-decreasing, so a batch's last example is its longest): a batch from
+        `start` ends before the first i with (i - start + 1) * size[i] > max_tokens or more than
+        max_sentences examples. With cap[i] = min(max_tokens // size[i], max_sentences), that first i is the
+        first with i + 1 - cap[i] > start, and i + 1 - cap[i] is strictly increasing: a binary search."""
+        cap = np.minimum(self.max_tokens // np.maximum(size, 1), self.max_sentences)
+        reach = np.arange(1, len(size) + 1) - cap
+        start = 0
+        while start < len(size):
+            end = max(int(np.searchsorted(reach, start, side="right")), start + 1)
+            yield start, end
+            start = end
 
     def _split_to_multiple(self, batches: List[np.ndarray]) -> List[np.ndarray]:
         while len(batches) % self.world_size:

@@ -7,10 +7,11 @@ Encoders add no specials: the collate function appends </s> to the source and fr
 import json
 from collections import Counter
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence
 
 from transformer.atomic import write_text_atomic
 from transformer.data.batch import BOS, EOS, PAD, SPECIALS, UNK
+from transformer.data.encode import spacy_tokenize, spacy_tokenizer
 
 # Detokeniser flags of a spaCy vocabulary entry (see SpacyTokenizer).
 NO_SPACE_BEFORE, NO_SPACE_AFTER = 1, 2
@@ -110,7 +111,6 @@ class SpacyTokenizer:
     def __init__(self, src_lang: str, tgt_lang: str, src_vocab: Vocab, tgt_vocab: Vocab, lowercase: bool = False):
         self.src_lang, self.tgt_lang, self.lowercase = src_lang, tgt_lang, lowercase
         self.src_vocab, self.tgt_vocab = src_vocab, tgt_vocab
-        self._nlp: Dict[str, object] = {}
 
     @property
     def src_vocab_size(self) -> int:
@@ -120,23 +120,10 @@ class SpacyTokenizer:
     def tgt_vocab_size(self) -> int:
         return len(self.tgt_vocab)
 
-    def _tokenizer(self, lang: str):
-        if lang not in self._nlp:
-            import spacy
-            self._nlp[lang] = spacy.blank(lang).tokenizer
-        return self._nlp[lang]
-
     def tokenize(self, texts: Sequence[str], lang: str, with_spaces: bool = False):
         """Token strings of each text (spaCy's whitespace tokens dropped); with `with_spaces`, also whether
         each token was followed by whitespace."""
-        toks, spaces = [], []
-        for doc in self._tokenizer(lang).pipe((t.lower() if self.lowercase else t for t in texts), batch_size=1000):
-            words = [t for t in doc if not t.is_space]
-            toks.append([t.text for t in words])
-            if with_spaces:
-                # A token followed by a whitespace token (double space, tab) is also followed by space.
-                spaces.append([bool(t.whitespace_) or (t.i + 1 < len(doc) and doc[t.i + 1].is_space) for t in words])
-        return (toks, spaces) if with_spaces else toks
+        return spacy_tokenize(spacy_tokenizer(lang), texts, self.lowercase, with_spaces)
 
     @classmethod
     def train(cls, src_texts: Sequence[str], tgt_texts: Sequence[str], src_lang: str, tgt_lang: str,
@@ -216,8 +203,9 @@ class BpeTokenizer:
                 raise ValueError(f"BPE vocabulary has {s} at id {tok.token_to_id(s)}, expected {i}")
 
     @classmethod
-    def train(cls, texts: Sequence[str], vocab_size: int, min_freq: int = 2, lowercase: bool = False,
-              src_lang: str = "", tgt_lang: str = "") -> "BpeTokenizer":
+    def train(cls, texts: Iterable, vocab_size: int, min_freq: int = 2, lowercase: bool = False,
+              src_lang: str = "", tgt_lang: str = "", length: Optional[int] = None) -> "BpeTokenizer":
+        """`texts`: sentences, or lists of sentences, streamed (the trainer keeps word counts, not text)."""
         from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
         tok = Tokenizer(models.BPE(unk_token=SPECIALS[UNK]))
         if lowercase:
@@ -226,7 +214,7 @@ class BpeTokenizer:
         tok.decoder = decoders.Metaspace()
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_freq, special_tokens=list(SPECIALS),
                                       show_progress=False)
-        tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+        tok.train_from_iterator(texts, trainer=trainer, length=length if length is not None else len(texts))
         return cls(tok, src_lang, tgt_lang)
 
     @property
@@ -273,18 +261,26 @@ class BpeTokenizer:
 
 
 def train_tokenizer(cfg_tok, src_lang: str, tgt_lang: str, src_texts: Sequence[str], tgt_texts: Sequence[str]):
-    """Trains the tokenizer `cfg_tok` (the `tokenizer` config group) on the training split only."""
+    """Trains the tokenizer `cfg_tok` (the `tokenizer` config group) on the training split only, held in
+    memory (preprocessing streams instead: transformer/data/preprocess.py)."""
+    check_tokenizer_config(cfg_tok)
     if cfg_tok.name == "spacy":
-        if cfg_tok.min_freq < 1:
-            raise ValueError(f"tokenizer.min_freq={cfg_tok.min_freq}: must be >= 1")
         return SpacyTokenizer.train(src_texts, tgt_texts, src_lang, tgt_lang, cfg_tok.min_freq, cfg_tok.max_vocab,
                                     cfg_tok.lowercase)
-    if cfg_tok.name == "bpe":
-        if cfg_tok.vocab_size <= len(SPECIALS):
-            raise ValueError(f"tokenizer.vocab_size={cfg_tok.vocab_size}: must exceed the {len(SPECIALS)} specials")
-        return BpeTokenizer.train(list(src_texts) + list(tgt_texts), cfg_tok.vocab_size, max(cfg_tok.min_freq, 0),
-                                  cfg_tok.lowercase, src_lang, tgt_lang)
-    raise ValueError(f"tokenizer.name={cfg_tok.name!r}: must be spacy or bpe")
+    return BpeTokenizer.train(list(src_texts) + list(tgt_texts), cfg_tok.vocab_size, max(cfg_tok.min_freq, 0),
+                              cfg_tok.lowercase, src_lang, tgt_lang)
+
+
+def check_tokenizer_config(cfg_tok) -> None:
+    """Values of the `tokenizer` group a type cannot rule out; the error names the key."""
+    if cfg_tok.name not in ("spacy", "bpe"):
+        raise ValueError(f"tokenizer.name={cfg_tok.name!r}: must be spacy or bpe")
+    if cfg_tok.name == "spacy" and cfg_tok.min_freq < 1:
+        raise ValueError(f"tokenizer.min_freq={cfg_tok.min_freq}: must be >= 1")
+    if cfg_tok.name == "bpe" and cfg_tok.vocab_size <= len(SPECIALS):
+        raise ValueError(f"tokenizer.vocab_size={cfg_tok.vocab_size}: must exceed the {len(SPECIALS)} specials")
+    if cfg_tok.train_sample is not None and cfg_tok.train_sample < 1:
+        raise ValueError(f"tokenizer.train_sample={cfg_tok.train_sample}: must be >= 1 or null (all sentences)")
 
 
 def tokenizer_from_state(state: dict):
