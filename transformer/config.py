@@ -3,7 +3,7 @@
 A typo or a wrong type in an override fails at composition with the full key, e.g.
 ``Key 'lrr' not in 'OptimConfig'``. `validate()` adds the checks a type cannot express.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -59,6 +59,12 @@ class TrainerConfig:
     timeout_s: int = 600  # process-group timeout: a dead peer fails the job after this long
     compile: bool = False  # torch.compile the model
     progress: bool = True  # progress bar on rank 0
+    # Speed switches (transformer/speedups.py; measured or not, README "Performance"):
+    tf32: bool = True  # GPUs: float32 matrix products in TF32 (no effect on bf16 autocast's products)
+    pad_to_multiple: Optional[int] = None  # batch lengths padded up to a multiple; None: 8 with compile, else 1
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory
+    ddp_bucket_mb: int = 25  # DDP gradient bucket size
+    ddp_static_graph: bool = False  # DDP static_graph=True (the same parameters get gradients every step)
 
 
 @dataclass
@@ -83,6 +89,23 @@ class EvalConfig:
 
 
 @dataclass
+class BenchConfig:
+    """transformer-bench (transformer/bench.py): warm-up, then timed optimiser steps of the training config."""
+    warmup: int = 5  # untimed steps first (allocator, kernels, torch.compile)
+    steps: int = 20  # timed optimiser steps
+    synthetic: bool = False  # random batches instead of data.*: lengths below, vocabulary vocab_size
+    sentences: int = 20000  # synthetic corpus size (batched by data.max_tokens like real data)
+    vocab_size: int = 32000  # synthetic source and target vocabulary (the generator's cost grows with it)
+    length_mean: float = 27.0  # synthetic sentence lengths ~ normal(mean, std), clipped to [min_len, max_len];
+    length_std: float = 12.0  # the target length is the source length plus normal(0, std / 4) noise
+    min_len: int = 2
+    max_len: int = 128
+    peak_tflops: Optional[float] = None  # the accelerator's peak for MFU; None: from the table of known GPUs
+    profile: bool = False  # also print the top operators of a few profiled steps (torch.profiler)
+    out: Optional[str] = None  # also append the JSON line to this file
+
+
+@dataclass
 class Config:
     model: ModelConfig = MISSING
     optim: OptimConfig = MISSING
@@ -92,6 +115,7 @@ class Config:
     checkpoint: CheckpointConfig = MISSING
     eval: EvalConfig = MISSING
     seed: int = 1234
+    bench: BenchConfig = field(default_factory=BenchConfig)  # read by transformer-bench only
 
 
 def register_configs() -> None:
@@ -132,6 +156,9 @@ def validate(cfg: DictConfig) -> None:
     _check(t.precision in ("auto", "fp32", "bf16", "fp16"), "trainer.precision", t.precision,
            "must be auto, fp32, bf16 or fp16")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")
+    _check(t.pad_to_multiple is None or t.pad_to_multiple >= 1, "trainer.pad_to_multiple", t.pad_to_multiple,
+           "must be >= 1 or null")
+    _check(t.ddp_bucket_mb > 0, "trainer.ddp_bucket_mb", t.ddp_bucket_mb, "must be > 0")
     _check(d.max_tokens > 0, "data.max_tokens", d.max_tokens, "must be > 0")
     _check(d.max_sentences is None or d.max_sentences > 0, "data.max_sentences", d.max_sentences, "must be > 0")
     _check(d.bad_pairs in ("skip", "error"), "data.bad_pairs", d.bad_pairs, "must be skip or error")

@@ -45,6 +45,13 @@ class DistEnv:
         torch_dist.all_reduce(t)
         return t.tolist()
 
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sums a tensor over ranks in place and returns it. With NCCL the reduction is queued on the GPU and
+        nothing waits for it; gloo reduces CPU tensors at once."""
+        if self.distributed:
+            torch_dist.all_reduce(t)
+        return t
+
     def all_reduce_max(self, values: List[float]) -> List[float]:
         if not self.distributed:
             return list(values)
