@@ -1,0 +1,1 @@
+"""Console programs: argv, exit codes and messages; the core below knows nothing of them."""
