@@ -27,7 +27,7 @@ def test_short_copy_run_writes_the_run_directory(tmp_path):
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert {"last.pt", "best.pt", "step_00000006.pt"} <= {p.name for p in (run_dir / "checkpoints").iterdir()}
     records = read_metrics(run_dir)
-    assert {r["split"] for r in records} == {"valid", "test"}
+    assert {r["split"] for r in records} == {"train", "valid", "test"}  # 6 steps < log_every: one train line
     test = [r for r in records if r["split"] == "test"][-1]
     assert 0.0 <= test["test_accuracy"] <= 1.0 and test["step"] == 6
     assert "test_accuracy" in proc.stderr  # the console shows it too

@@ -68,6 +68,12 @@ class TrainerConfig:
     compile: bool = False  # torch.compile the model
     progress: bool = True  # progress bar on rank 0
     threads: Optional[int] = None  # torch CPU threads per worker; None = the cores this process may use / local workers
+    # Speed switches (transformer/training/speedups.py; measured or not, README "Performance"):
+    tf32: bool = True  # GPUs: float32 matrix products in TF32 (no effect on bf16 autocast's products)
+    pad_to_multiple: Optional[int] = None  # batch lengths padded up to a multiple; None: 8 with compile, else 1
+    activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory
+    ddp_bucket_mb: int = 25  # DDP gradient bucket size
+    ddp_static_graph: bool = False  # DDP static_graph=True (the same parameters get gradients every step)
 
 
 @dataclass
@@ -93,6 +99,23 @@ class EvalConfig:
 
 
 @dataclass
+class BenchConfig:
+    """transformer-bench (transformer/training/bench.py): warm-up, then timed optimiser steps of the training config."""
+    warmup: int = 5  # untimed steps first (allocator, kernels, torch.compile)
+    steps: int = 20  # timed optimiser steps
+    synthetic: bool = False  # random batches instead of data.*: lengths below, vocabulary vocab_size
+    sentences: int = 20000  # synthetic corpus size (batched by data.max_tokens like real data)
+    vocab_size: int = 32000  # synthetic source and target vocabulary (the generator's cost grows with it)
+    length_mean: float = 27.0  # synthetic sentence lengths ~ normal(mean, std), clipped to [min_len, max_len];
+    length_std: float = 12.0  # the target length is the source length plus normal(0, std / 4) noise
+    min_len: int = 2
+    max_len: int = 128
+    peak_tflops: Optional[float] = None  # the accelerator's peak for MFU; None: from the table of known GPUs
+    profile: bool = False  # also print the top operators of a few profiled steps (torch.profiler)
+    out: Optional[str] = None  # also append the JSON line to this file
+
+
+@dataclass
 class Config:
     """The whole run. `model`, `data` and `tokenizer` are chosen from conf/ groups (files there hold only what
     differs from these schemas); the other sections are set by key (`trainer.max_steps=...`) or by experiments."""
@@ -104,6 +127,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 1234
+    bench: BenchConfig = field(default_factory=BenchConfig)  # read by transformer-bench only
 
 
 def register_configs() -> None:
@@ -149,6 +173,9 @@ def check_trainer(t) -> None:
            "must be auto, fp32, bf16 or fp16")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")
     _check(t.threads is None or t.threads > 0, "trainer.threads", t.threads, "must be > 0 or null")
+    _check(t.pad_to_multiple is None or t.pad_to_multiple >= 1, "trainer.pad_to_multiple", t.pad_to_multiple,
+           "must be >= 1 or null")
+    _check(t.ddp_bucket_mb > 0, "trainer.ddp_bucket_mb", t.ddp_bucket_mb, "must be > 0")
 
 
 def check_data(d) -> None:

@@ -44,6 +44,21 @@ class DistEnv:
         torch_dist.all_reduce(t)
         return t.tolist()
 
+    def all_reduce_max(self, values: List[float]) -> List[float]:
+        """The largest of each number over ranks (transformer-bench: the slowest rank's wall time)."""
+        if not self.distributed:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
+        torch_dist.all_reduce(t, op=torch_dist.ReduceOp.MAX)
+        return t.tolist()
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sums a tensor over ranks in place and returns it. With NCCL the reduction is queued on the GPU and
+        nothing waits for it; gloo reduces CPU tensors at once."""
+        if self.distributed:
+            torch_dist.all_reduce(t)
+        return t
+
     def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's `obj` on every rank."""
         if not self.distributed:

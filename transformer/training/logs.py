@@ -136,8 +136,10 @@ class Progress:
 
     @rank_zero
     def update(self, **postfix) -> None:
+        """One step done; `postfix` (when given) replaces the values shown after the bar."""
         if self.bar is not None:
-            self.bar.set_postfix({k: _fmt(v) for k, v in postfix.items()}, refresh=False)
+            if postfix:
+                self.bar.set_postfix({k: _fmt(v) for k, v in postfix.items()}, refresh=False)
             self.bar.update(1)
 
     @rank_zero

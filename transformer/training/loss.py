@@ -23,12 +23,13 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
     V = logits.size(-1)
     lprobs = F.log_softmax(logits.float(), dim=-1).view(-1, V)  # (B*T, V), fp32 even under autocast
     target = target.reshape(-1)
-    keep = target != pad_id
-    lprobs, target = lprobs[keep], target[keep]
-    nll = -lprobs.gather(1, target.unsqueeze(1)).squeeze(1)  # (n,)
+    # Pad positions are zeroed, not dropped: boolean indexing (lprobs[keep]) needs the count of kept rows
+    # on the host, a GPU sync on every call.
+    pad = target == pad_id  # (B*T,)
+    nll = -lprobs.gather(1, target.unsqueeze(1)).squeeze(1).masked_fill(pad, 0.0)  # (B*T,)
     if epsilon == 0:
         return nll.sum(), nll.sum()
-    smooth = -lprobs.sum(dim=-1)  # (n,) sum over all V classes
+    smooth = -lprobs.sum(dim=-1).masked_fill(pad, 0.0)  # (B*T,) sum over all V classes
     eps_i = epsilon / (V - 1)
     # sum_c q_c * -log p_c with q_target = 1 - eps and q_other = eps / (V - 1):
     loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth

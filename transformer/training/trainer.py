@@ -7,7 +7,6 @@ the run exactly where it stopped.
 import contextlib
 import logging
 import math
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -21,6 +20,8 @@ from transformer.specials import PAD
 from transformer.tasks import Task
 from transformer.training.checkpoint import (FORMAT, Checkpointer, CheckpointError, atomic_link, atomic_save,
                                              load_checkpoint)
+from transformer.training import speedups
+from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.optim import build_optimizer
@@ -49,11 +50,14 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
         self.amp_dtype = autocast_dtype(self.tcfg.precision, env.device)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
-        # No unused-parameter search (every parameter gets a gradient); gradients live in DDP's buckets.
-        self.net = (DDP(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                        gradient_as_bucket_view=True) if env.distributed else self.model)
+        speedups.configure_backends(self.tcfg, env.device)
+        if self.tcfg.activation_checkpointing:
+            speedups.checkpoint_layers(self.model)
+        self.net = DDP(self.model, **speedups.ddp_kwargs(self.tcfg, env.device)) if env.distributed else self.model
         if self.tcfg.compile:
             self.net = torch.compile(self.net)
+        self.pad_multiple = speedups.pad_multiple(self.tcfg)
+        self.timer: Optional[StepTimer] = None  # transformer-bench's phase timer
         self.step = self.epoch = self.batch_index = 0
         self.best: Optional[float] = None
         self.bad_validations = 0
@@ -160,22 +164,25 @@ class Trainer:
                 or (t.max_epochs is not None and self.epoch >= t.max_epochs))
 
     def _loop(self, progress: Progress) -> int:
+        window = TrainWindow()
+        code = self._run_steps(progress, window)
+        if code == 0 and window.steps:  # the steps since the last line (all of a run shorter than log_every)
+            self._log_train(window, None)
+        return code
+
+    def _run_steps(self, progress: Progress, window: TrainWindow) -> int:
         K = self.tcfg.accumulate
-        window = {"tokens": 0.0, "loss": 0.0, "nll": 0.0, "steps": 0, "time": time.time()}
+        stop_flag = LaggedFlag()
         while not self._done():
             n = self.data.num_train_batches(self.epoch)
             with self._rng_untouched():  # a DataLoader iterator draws its seed from the global RNG
                 batches = iter(self.data.train_loader(self.epoch, start=self.batch_index))
             while self.batch_index < n and not self._done():
                 micro = [next(batches) for _ in range(min(K, n - self.batch_index))]
-                tokens, loss, nll, stop, grad_norm = self._optimizer_step(micro)
-                self.batch_index += len(micro)
-                self.step += 1
-                for key, v in (("tokens", tokens), ("loss", loss), ("nll", nll), ("steps", 1)):
-                    window[key] += v
-                progress.update(loss=loss / max(tokens, 1), lr=self.scheduler.lr())
-                if self.step % self.tcfg.log_every == 0:
-                    self._log_train(window, grad_norm)
+                result, stop = self._train_step(micro, window, stop_flag)
+                # The bar shows the last logged line's loss: reading it every step would sync every step.
+                logged = self.step % self.tcfg.log_every == 0
+                progress.update(**(self._log_train(window, result.grad_norm) if logged else {}))
                 if stop:
                     self.save(is_best=False)
                     log.warning("stopped by a signal at step %d; checkpoint written, exit code %d; rerun the same "
@@ -206,15 +213,27 @@ class Trainer:
         does neither, and both must still end bit-identical."""
         return torch.random.fork_rng(devices=[self.env.device] if self.env.device.type == "cuda" else [])
 
-    def _optimizer_step(self, micro):
+    def _train_step(self, micro, window: TrainWindow, stop_flag: LaggedFlag):
+        """One optimiser step and its bookkeeping, with no host sync. Returns the step's result and the
+        stop flag of the step before (read one step late: transformer/training/hotpath.py), the same on all ranks."""
+        result = self._optimizer_step(micro)
+        self.batch_index += len(micro)
+        self.step += 1
+        window.add(result)
+        return result, stop_flag.push(result.stop)
+
+    def _optimizer_step(self, micro) -> StepResult:
         """Forward/backward over K micro-batches, one gradient sync, one update. Loss is normalised by the
-        target tokens of all micro-batches on all ranks, so the update equals one big batch's."""
+        target tokens of all micro-batches on all ranks, so the update equals one big batch's.
+        Nothing here reads a device value on the host (transformer/training/hotpath.py): sums stay on the device."""
         self.net.train()
+        if self.timer is not None:
+            self.timer.start()
         loss_sum = torch.zeros((), device=self.env.device)
         nll_sum = torch.zeros((), device=self.env.device)
         tokens = 0
         for i, batch in enumerate(micro):
-            batch = batch.to(self.env.device)
+            batch = speedups.prepare_batch(batch.to(self.env.device), self.pad_multiple, self.tcfg.compile)
             tokens += batch.n_tokens
             last = i == len(micro) - 1
             sync = self.net.no_sync() if (self.env.distributed and not last) else contextlib.nullcontext()
@@ -227,41 +246,49 @@ class Trainer:
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
             nll_sum += nll.detach()
-        stop = float(self.stop_signal is not None)
-        total_tokens, loss_total, nll_total, stop = self.env.all_reduce_sum(
-            [tokens, loss_sum.item(), nll_sum.item(), stop])
+        if self.timer is not None:
+            self.timer.mark("forward_backward")
+        # Token count, loss sums and the stop flag travel in one tensor and one all-reduce.
+        stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, self.stop_signal is not None))
+        if self.timer is not None:
+            self.timer.mark("communication")
         self.scaler.unscale_(self.optimizer)
         # DDP averaged the ranks' gradients of summed losses; turn that into the gradient of the mean over tokens.
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        torch._foreach_mul_(grads, self.env.world_size / max(total_tokens, 1.0))
+        torch._foreach_mul_(grads, (self.env.world_size / stats[0].clamp(min=1.0)).float())
         grad_norm = None
         if self.tcfg.clip_norm is not None:
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm))
-        self.scaler.step(self.optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm).detach()
+        self.scaler.step(self.optimizer)  # fp16 only: the scaler reads its inf check here (a sync)
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total_tokens, loss_total, nll_total, stop > 0, grad_norm
+        if self.timer is not None:
+            self.timer.mark("optimizer")
+        return step_result(stats, grad_norm)
 
-    def _log_train(self, window: dict, grad_norm: Optional[float]) -> None:
-        elapsed = time.time() - window["time"]
-        tokens = max(window["tokens"], 1.0)
-        values = {"loss": window["loss"] / tokens, "nll": window["nll"] / tokens,
-                  "ppl": math.exp(min(window["nll"] / tokens, 50)), "lr": self.scheduler.lr(),
-                  "tokens_per_s": window["tokens"] / max(elapsed, 1e-9)}
+    def _log_train(self, window: TrainWindow, grad_norm: Optional[torch.Tensor]) -> dict:
+        """Logs the window's averages (its one host sync) and returns what the progress bar shows."""
+        w = window.read(grad_norm)
+        elapsed, tokens = w["elapsed"], max(w["tokens"], 1.0)
+        values = {"loss": w["loss"] / tokens, "nll": w["nll"] / tokens,
+                  "ppl": math.exp(min(w["nll"] / tokens, 50)), "lr": self.scheduler.lr(),
+                  "tokens_per_s": w["tokens"] / max(elapsed, 1e-9)}
         if grad_norm is not None:
-            values["grad_norm"] = grad_norm
+            values["grad_norm"] = w["grad_norm"]
         if self.total_steps is not None:  # for logs read without the bar (SLURM, nohup): time left at this pace
-            values["eta_s"] = max(self.total_steps - self.step, 0) * elapsed / max(window["steps"], 1)
+            values["eta_s"] = max(self.total_steps - self.step, 0) * elapsed / max(w["steps"], 1)
         values.update(gpu_stats(self.env.device))
         self.metrics.log("train", self.step, self.epoch, **values)
-        window.update(tokens=0.0, loss=0.0, nll=0.0, steps=0, time=time.time())
+        window.reset()
+        return {"loss": values["loss"], "lr": values["lr"], "tok/s": values["tokens_per_s"]}
 
     # ---- validation and checkpoints ------------------------------------------------------------------
     @torch.no_grad()
     def evaluate_loss(self, loader) -> dict:
         self.model.eval()
-        loss = nll = tokens = 0.0
+        sums = torch.zeros(2, dtype=torch.float64, device=self.env.device)  # loss, nll: read once, at the end
+        tokens = 0
         for batch in loader:
             batch = batch.to(self.env.device)
             amp = (torch.autocast(self.env.device.type, dtype=self.amp_dtype) if self.amp_dtype
@@ -269,8 +296,9 @@ class Trainer:
             with amp:
                 logits = self.model(batch.src, batch.tgt_in)
             l, n = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD)
-            loss, nll, tokens = loss + l.item(), nll + n.item(), tokens + batch.n_tokens
-        loss, nll, tokens = self.env.all_reduce_sum([loss, nll, tokens])
+            sums += torch.stack([l, n]).double()
+            tokens += batch.n_tokens
+        loss, nll, tokens = self.env.all_reduce_sum([*sums.tolist(), tokens])
         tokens = max(tokens, 1.0)
         return {"val_loss": loss / tokens, "val_nll": nll / tokens, "val_ppl": math.exp(min(nll / tokens, 50))}
 

@@ -1,0 +1,99 @@
+"""transformer-bench on CPU: a sane table and JSON line, no files left behind, bad input in one line."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tests.helpers.data import MULTI30K, needs_multi30k
+
+from tests.helpers.cli import cli_env
+from transformer.training.bench import peak_tflops
+
+TINY = ("model=tiny", "model.N=1", "bench.synthetic=true", "bench.sentences=400", "bench.vocab_size=500",
+        "bench.max_len=40", "data.max_tokens=600", "bench.warmup=1", "bench.steps=3", "trainer.progress=false")
+
+
+def bench(cwd: Path, *overrides: str, expect: int = 0) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-m", "transformer.cli.bench", *overrides], cwd=cwd, env=cli_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == expect, res.stderr[-4000:]
+    return res
+
+
+def record(res: subprocess.CompletedProcess) -> dict:
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_bench_prints_a_sane_table_and_json_line(tmp_path):
+    res = bench(tmp_path, *TINY, "bench.peak_tflops=0.5")
+    r = record(res)
+    assert r["device"] == "cpu" and r["steps"] == 3 and r["data"] == "synthetic" and r["compute"] == "fp32"
+    assert r["model"]["N"] == 1 and r["model"]["tgt_vocab_size"] == 500
+    assert 0 < r["tgt_tokens_per_s"] and 0 < r["src_tokens_per_s"] and 0 < r["sentences_per_s"]
+    # Tokens per sentence: synthetic lengths are ~N(27, 12) clipped to [2, 40], + </s>.
+    assert 10 < r["tgt_tokens_per_s"] / r["sentences_per_s"] < 41
+    assert 0 <= r["target_padding"] < 0.5
+    # The split accounts for the step time: its parts are positive and add up to it.
+    parts = [r[k] for k in ("data_wait_ms", "forward_backward_ms", "optimizer_ms", "other_ms")]
+    assert all(p >= 0 for p in parts) and r["forward_backward_ms"] > 0 and r["communication_ms"] is None
+    assert sum(parts) == pytest.approx(r["step_ms"], rel=0.02)
+    # FLOP rate = FLOPs per step x steps / time; MFU against the given peak.
+    assert r["flops_per_step"] > 1e6
+    assert r["achieved_tflops"] * 1e12 == pytest.approx(r["flops_per_step"] * 3 / r["wall_s"], rel=1e-3)
+    assert r["mfu"] == pytest.approx(r["achieved_tflops"] / 0.5, rel=1e-6)
+    for row in ("target tokens/s (real)", "forward+backward", "model FLOPs / step", "MFU"):
+        assert row in res.stdout
+    assert list(tmp_path.iterdir()) == []  # no run directory, no .hydra, no outputs/
+
+
+def test_bench_out_appends_the_json_line(tmp_path):
+    out = tmp_path / "results" / "bench.jsonl"
+    bench(tmp_path, *TINY, "bench.steps=1", f"bench.out={out}")
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["steps"] == 1
+
+
+def test_bench_bad_input_is_one_line_exit_2(tmp_path):
+    res = bench(tmp_path, *TINY, "bench.steps=0", expect=2)
+    assert res.stderr.strip().splitlines()[-1] == "error: bench.steps=0: must be >= 1"
+    res = bench(tmp_path, *TINY, "bench.min_len=700", "bench.max_len=900", expect=2)  # > data.max_tokens
+    assert "data.max_tokens=600" in res.stderr.strip().splitlines()[-1]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_peak_table_matches_device_names():
+    assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989
+    assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756
+    assert peak_tflops("NVIDIA H200", "tf32") == 495
+    assert peak_tflops("NVIDIA A100-SXM4-80GB", "tf32") == 156
+    assert peak_tflops("NVIDIA L40S", "bf16") == 362  # not the L4's
+    assert peak_tflops("NVIDIA L4", "bf16") == 121
+    assert peak_tflops("Tesla V100-SXM2-16GB", "bf16") is None  # no bf16 on Volta
+    assert peak_tflops("NVIDIA A10G", "bf16") is None  # not in the table: bench.peak_tflops
+    assert peak_tflops("NVIDIA GeForce RTX 3090", "fp32") is None
+
+
+@pytest.mark.slow
+@needs_multi30k
+def test_bench_on_multi30k_batches(tmp_path):
+    folder = tmp_path / "root" / "multi30k"  # an offline data root: the raw files, linked
+    folder.mkdir(parents=True)
+    for f in MULTI30K.glob("*.gz"):
+        (folder / f.name).symlink_to(f.resolve())
+    r = record(bench(tmp_path, "experiment=multi30k", "model=tiny", f"data.root={tmp_path / 'root'}",
+                     "bench.warmup=1", "bench.steps=3", "trainer.progress=false"))
+    assert r["data"] == "multi30k" and r["max_tokens"] == 4096 and r["model"]["tgt_vocab_size"] > 5000
+    assert r["target_padding"] < 0.2  # token-bucketed batches of similar lengths
+    assert r["tgt_tokens_per_s"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
+
+
+@pytest.mark.slow
+def test_bench_compiled_model_uses_one_graph_for_all_batch_shapes(tmp_path):
+    """torch.compile with batch size and lengths marked dynamic (lengths padded to a multiple of 8):
+    batches of many shapes run through one graph, and none is compiled during the timed steps."""
+    r = record(bench(tmp_path, *TINY, "model.d_model=32", "model.d_ff=64", "model.h=2", "trainer.compile=true",
+                     "bench.warmup=3", "bench.steps=4"))
+    assert r["compile"] is True and r["pad_to_multiple"] == 8
+    assert r["graphs"] == 1 and r["graphs_during_timed"] == 0

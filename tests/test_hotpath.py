@@ -1,0 +1,184 @@
+"""The training step without host reads (transformer/training/hotpath.py), on CPU.
+
+The GPU tier counts real synchronisations with torch.cuda.set_sync_debug_mode; here a dispatch mode spots
+the operations that would synchronise on a GPU: scalar reads (item, float(), bool()), nonzero and boolean
+indexing, and Python-level tolist().
+"""
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.test_trainer import make_trainer, ragged_pairs
+from transformer.data.batch import PAD, collate
+from transformer.training.hotpath import LaggedFlag, TrainWindow
+from transformer.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
+from transformer.training.loss import label_smoothed_cross_entropy
+
+aten = torch.ops.aten
+HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+              aten.is_nonzero.default, aten.equal.default}
+
+
+class HostReadSpy(TorchDispatchMode):
+    """Records operations that read device values on the host. Scalar reads of tensors whose storage is in
+    `exempt` (Adam's step counters, which live on the CPU in torch's optimisers even for GPU training) and
+    anything while `paused` are not recorded."""
+
+    def __init__(self, exempt=()):
+        super().__init__()
+        self.exempt, self.paused, self.seen = set(exempt), False, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            if func in HOST_READS and not (func is aten._local_scalar_dense.default
+                                           and args[0].untyped_storage().data_ptr() in self.exempt):
+                self.seen.append(str(func))
+            if func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+                self.seen.append("boolean indexing")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """A HostReadSpy factory; also records Tensor.tolist, and lets LaggedFlag read (its one allowed read)."""
+    made = []
+    tolist = torch.Tensor.tolist
+
+    def spied_tolist(self):
+        for s in made:
+            if not s.paused:
+                s.seen.append("tolist")
+        return tolist(self)
+
+    read = LaggedFlag._read
+
+    def lagged_read(self):
+        for s in made:
+            s.paused = True
+        try:
+            return read(self)
+        finally:
+            for s in made:
+                s.paused = False
+
+    monkeypatch.setattr(torch.Tensor, "tolist", spied_tolist)
+    monkeypatch.setattr(LaggedFlag, "_read", lagged_read)
+
+    def make(exempt=()):
+        made.append(HostReadSpy(exempt))
+        return made[-1]
+    return make
+
+
+def test_steps_between_logged_lines_read_nothing_on_the_host(tmp_path, spy):
+    t = make_trainer(tmp_path, "trainer.clip_norm=1.0", "trainer.accumulate=2")
+    batches = list(t.data.train_loader(0))[:8]  # collated beforehand: host-side work, not the step's
+    window, flag = TrainWindow(), LaggedFlag()
+    t._train_step(batches[:2], window, flag)  # creates Adam's state
+    steps = [s["step"].untyped_storage().data_ptr() for s in t.optimizer.state.values()]
+    with spy(exempt=steps) as s:
+        for i in range(2, 8, 2):
+            result, stop = t._train_step(batches[i:i + 2], window, flag)
+    assert s.seen == [] and stop is False
+    assert all(isinstance(v, torch.Tensor) for v in (result.tokens, result.loss, result.nll, result.grad_norm))
+    with spy() as s:
+        shown = t._log_train(window, result.grad_norm)
+    assert s.seen == ["tolist"]  # the logged line: one read for tokens, loss, nll and grad norm together
+    assert shown["loss"] > 0 and shown["tok/s"] > 0
+
+
+def test_the_spy_sees_what_the_old_step_did(spy):
+    """The checks above can fail: .item(), float() and boolean indexing (the old loss) are all caught."""
+    x = torch.arange(6.0)
+    with spy() as s:
+        x.sum().item()
+        float(x.max())
+        x[x > 2].sum()
+    assert s.seen == ["aten._local_scalar_dense.default", "aten._local_scalar_dense.default", "boolean indexing"]
+
+
+def test_window_logs_token_weighted_means(tmp_path):
+    t = make_trainer(tmp_path, "model.dropout=0.0")
+    batches = list(t.data.train_loader(0))[:3]
+    window, flag = TrainWindow(), LaggedFlag()
+    results = [t._train_step([b], window, flag)[0] for b in batches]
+    w = window.read()
+    assert w["tokens"] == sum(b.n_tokens for b in batches) and w["steps"] == 3
+    assert w["loss"] == pytest.approx(sum(r.loss.item() for r in results), rel=1e-9)
+    window.reset()
+    assert window.read()["tokens"] == 0
+
+
+def test_loss_without_boolean_indexing_equals_the_selected_rows():
+    torch.manual_seed(0)
+    logits, target = torch.randn(3, 5, 11), torch.randint(4, 11, (3, 5))
+    target[0, 3:] = PAD
+    target[2, 1:] = PAD
+    for eps in (0.0, 0.1):
+        loss, nll = label_smoothed_cross_entropy(logits, target, eps, PAD)
+        keep = target.reshape(-1) != PAD
+        lprobs = F.log_softmax(logits, -1).view(-1, 11)[keep]  # the former implementation's rows
+        ref_nll = F.nll_loss(lprobs, target.reshape(-1)[keep], reduction="sum")
+        ref = (1 - eps) * ref_nll - eps / 10 * (lprobs.sum() - lprobs.gather(1, target.reshape(-1)[keep, None]).sum())
+        assert torch.allclose(nll, ref_nll, rtol=1e-6) and torch.allclose(loss, ref, rtol=1e-6)
+
+
+def test_lagged_flag_returns_the_previous_push():
+    flag = LaggedFlag()
+    assert [flag.push(torch.tensor(v)) for v in (0.0, 1.0, 0.0, 2.0)] == [False, False, True, False]
+
+
+def test_stop_signal_stops_all_ranks_one_step_late_with_a_checkpoint(tmp_path, monkeypatch):
+    """A signal before step 3's all-reduce rides in step 3's statistics; they are read after step 4, which
+    is where the run checkpoints and exits with code 3."""
+    t = make_trainer(tmp_path, "trainer.max_steps=20", "trainer.val_every=1000", "checkpoint.every_steps=1000",
+                     "trainer.max_epochs=null")
+    step = t._optimizer_step
+    t.stop = SimpleNamespace(signum=None)  # what launcher.StopRequest sets on SIGTERM
+
+    def signalled_at_step_3(micro):
+        if t.step == 2:
+            t.stop.signum = 15
+        return step(micro)
+
+    monkeypatch.setattr(t, "_optimizer_step", signalled_at_step_3)
+    assert t.train() == PREEMPTED_EXIT_CODE
+    assert t.step == 4
+    assert [s for s, _ in t.checkpointer.step_files()] == [4]
+
+
+def test_padding_to_a_multiple_changes_neither_loss_nor_gradients(tmp_path):
+    ds = ragged_pairs(6, seed=1)
+    batch = collate([ds[i] for i in range(6)])
+    assert batch.src.size(1) % 16 and batch.tgt_in.size(1) % 16  # padding will add positions
+    grads = []
+    for multiple in (1, 16):
+        t = make_trainer(tmp_path / str(multiple), "model.dropout=0.0", f"trainer.pad_to_multiple={multiple}")
+        out = t._optimizer_step([batch])
+        grads.append((out.loss, [p.detach().clone() for p in t.model.parameters()]))
+    (loss1, w1), (loss8, w8) = grads
+    assert torch.allclose(loss1, loss8, rtol=1e-5)
+    for a, b in zip(w1, w8):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_activation_checkpointing_gives_the_same_gradients(tmp_path):
+    ds = ragged_pairs(8, seed=2)
+    batch = collate([ds[i] for i in range(8)])
+    runs = []
+    for on in (False, True):
+        t = make_trainer(tmp_path / str(on), "model.dropout=0.1", f"trainer.activation_checkpointing={on}")
+        torch.manual_seed(5)  # the same dropout masks; checkpointing replays them in the recomputation
+        logits = t.net(batch.src, batch.tgt_in)
+        loss, _ = label_smoothed_cross_entropy(logits, batch.tgt_out, 0.1, PAD)
+        loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in t.model.parameters()], t.model.state_dict().keys()))
+    (l0, g0, k0), (l1, g1, k1) = runs
+    assert torch.equal(l0, l1) and k0 == k1  # parameter names (and so checkpoints) unchanged
+    for a, b in zip(g0, g1):
+        assert torch.allclose(a, b, atol=1e-7)
+    assert np.isfinite(l0.item())

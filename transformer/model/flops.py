@@ -1,0 +1,41 @@
+"""Model FLOPs of the encoder-decoder (paper Section 3) from a batch's real padded shapes.
+
+Counted: the matrix products, 2 FLOPs per multiply-add, for a batch of B sentences padded to S source
+and T target positions (d = d_model, f = d_ff, V = target vocabulary, N layers per stack):
+
+    encoder layer   8·B·S·d²  (Q, K, V, output projections)  + 4·B·S²·d (Q·Kᵀ and weights·V) + 4·B·S·d·f (FFN)
+    decoder layer   8·B·T·d² + 4·B·T²·d   (masked self-attention, counted as full: causal kernels may skip
+                                          half of the score matrix, FlopCounterMode and MFU conventions do not)
+                  + 4·B·T·d² + 4·B·S·d² + 4·B·T·S·d   (cross-attention: Q and output on T, K and V on S)
+                  + 4·B·T·d·f
+    generator       2·B·T·d·V
+
+forward = N·(encoder layer + decoder layer) + generator; a training step costs 3 × forward (the backward
+pass computes the gradients of both operands of every product: twice the forward). Embedding lookups,
+softmax, layer norms and the loss are not matrix products and are left out, as in MFU reports
+(PaLM, Appendix B). Padded positions are counted: they are computed, just not useful, which is why
+`transformer-bench` reports real (non-pad) tokens/s next to the FLOP rate.
+"""
+from typing import Iterable, Tuple
+
+from transformer.model.transformer import ModelArgs
+
+
+def forward_flops(args: ModelArgs, B: int, S: int, T: int) -> int:
+    """FLOPs of one forward pass of `Transformer` with `args` (its `model.args`) on a (B, S) x (B, T) batch."""
+    N, d, f, V = args.N, args.d_model, args.d_ff, args.tgt_vocab_size
+    encoder = 8 * B * S * d * d + 4 * B * S * S * d + 4 * B * S * d * f
+    decoder = (8 * B * T * d * d + 4 * B * T * T * d
+               + 4 * B * T * d * d + 4 * B * S * d * d + 4 * B * T * S * d
+               + 4 * B * T * d * f)
+    return N * (encoder + decoder) + 2 * B * T * d * V
+
+
+def training_flops(args: ModelArgs, B: int, S: int, T: int) -> int:
+    """Forward + backward of one micro-batch: 3 x forward."""
+    return 3 * forward_flops(args, B, S, T)
+
+
+def step_flops(args: ModelArgs, shapes: Iterable[Tuple[int, int, int]]) -> int:
+    """One optimiser step of this worker: the sum over its micro-batches' (B, S, T)."""
+    return sum(training_flops(args, B, S, T) for B, S, T in shapes)

@@ -1,0 +1,298 @@
+"""The core of `transformer-bench`: warm-up, then timed optimiser steps of the training config, through
+the trainer's own step (`Trainer._train_step`), on real data or `bench.synthetic=true` batches.
+
+Reported: real (non-pad) target and source tokens/s, sentences/s, where a step's time goes (data wait on
+the host; forward+backward, the statistics all-reduce and the optimiser from CUDA events or the CPU
+clock), peak memory, model FLOPs per step (transformer/model/flops.py, from each batch's padded shapes),
+achieved FLOP/s and, on a GPU whose peak is known (or `bench.peak_tflops`), MFU = achieved / peak.
+Under torchrun every rank runs steps; tokens/s are for the whole job and MFU per GPU.
+"""
+import itertools
+import logging
+import re
+import resource
+import subprocess
+import time
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from transformer import dist
+from transformer.training import speedups
+from transformer.config import ConfigError, validate
+from transformer.data.batch import PAD
+from transformer.model.flops import step_flops
+from transformer.training.hotpath import LaggedFlag, StepTimer, TrainWindow
+from transformer.training.logs import Progress, setup_logging
+
+log = logging.getLogger(__name__)
+
+# Dense (no sparsity) peak TFLOP/s from NVIDIA's datasheets, by the name torch.cuda.get_device_name gives;
+# the first pattern that matches wins, so specific variants come before their family.
+GPU_PEAKS = [
+    (r"H100.*PCIe", {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
+    (r"H[12]00 NVL", {"bf16": 835, "fp16": 835, "tf32": 418, "fp32": 60}),
+    (r"H100|H200", {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67}),  # SXM (and GH200)
+    (r"A100", {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
+    (r"V100", {"fp16": 125, "fp32": 15.7}),
+    (r"L40S", {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6}),
+    (r"\bL4\b", {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3}),
+    (r"\bA10\b", {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2}),
+    (r"\bT4\b", {"fp16": 65, "fp32": 8.1}),
+]
+
+
+def peak_tflops(device_name: str, compute: str) -> Optional[float]:
+    """The table's peak for this GPU and compute type (bf16, fp16, tf32, fp32), or None if unknown."""
+    for pattern, peaks in GPU_PEAKS:
+        if re.search(pattern, device_name):
+            return peaks.get(compute)
+    return None
+
+
+def compute_type(trainer) -> str:
+    """The number format the matrix products run in: autocast's, else TF32 where it is on, else fp32."""
+    if trainer.amp_dtype is not None:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[trainer.amp_dtype]
+    if trainer.env.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "fp32"
+
+
+def check_bench(cfg) -> None:
+    b = cfg.bench
+    for key, ok, why in (("warmup", b.warmup >= 0, "must be >= 0"), ("steps", b.steps >= 1, "must be >= 1"),
+                         ("sentences", b.sentences >= 1, "must be >= 1"),
+                         ("vocab_size", b.vocab_size > 4, "must exceed the 4 special tokens"),
+                         ("min_len", b.min_len >= 1, "must be >= 1"),
+                         ("max_len", b.max_len >= b.min_len, "must be >= bench.min_len"),
+                         ("length_std", b.length_std >= 0, "must be >= 0"),
+                         ("peak_tflops", b.peak_tflops is None or b.peak_tflops > 0, "must be > 0 or null")):
+        if not ok:
+            raise ConfigError(f"bench.{key}={b[key]!r}: {why}")
+
+
+def build(cfg, env):
+    """The data (real or synthetic) and a Trainer with no run directory: a benchmark writes no files."""
+    from transformer.model import Transformer
+    from transformer.tasks import build_task
+    from transformer.training.trainer import Trainer
+
+    if cfg.bench.synthetic:
+        from transformer.data.synthetic import SyntheticData
+        data = SyntheticData(cfg, env.rank, env.world_size, pin_memory=env.device.type == "cuda")
+    else:
+        from transformer.data import build_data
+        data = build_data(cfg, env, None)
+    torch.manual_seed(cfg.seed)
+    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    torch.manual_seed(cfg.seed + env.rank)
+    return Trainer(cfg, env, model, data, build_task(cfg), None)
+
+
+def endless_batches(data):
+    for epoch in itertools.count():
+        yield from data.train_loader(epoch)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Totals:
+    """What the timed steps processed, counted on the host from the CPU batches (no device reads)."""
+
+    def __init__(self, multiple: int):
+        self.multiple = multiple
+        self.tgt = self.src = self.sentences = self.slots = self.flops_shapes = 0
+        self.data_s = 0.0
+        self.shapes = []
+
+    def add(self, micro, data_s: float) -> None:
+        self.data_s += data_s
+        for b in micro:
+            B, S = b.src.shape
+            T = b.tgt_in.size(1)
+            m = self.multiple
+            self.shapes.append((B, -(-S // m) * m, -(-T // m) * m))  # the padded shapes the model runs on
+            self.tgt += b.n_tokens
+            self.src += int((b.src != PAD).sum())
+            self.sentences += B
+            self.slots += B * T
+
+
+def run_steps(trainer, batches, n: int, progress: Progress, totals: Optional[Totals] = None) -> None:
+    K = trainer.tcfg.accumulate
+    window, flag = TrainWindow(), LaggedFlag()
+    for _ in range(n):
+        t0 = time.perf_counter()
+        micro = [next(batches) for _ in range(K)]
+        if totals is not None:
+            totals.add(micro, time.perf_counter() - t0)
+        trainer._train_step(micro, window, flag)
+        progress.update()
+
+
+def measure(trainer, b) -> dict:
+    """Warm-up steps, then `b.steps` timed ones; returns the numbers of this rank."""
+    device = trainer.env.device
+    batches = endless_batches(trainer.data)
+    progress = Progress(b.warmup + b.steps, 0, trainer.tcfg.progress)
+    t0 = time.perf_counter()
+    run_steps(trainer, batches, b.warmup, progress)
+    _sync(device)
+    warmup_s = time.perf_counter() - t0
+    graphs_warm = speedups.compiled_graphs()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer.timer = timer = StepTimer(device)
+    totals = Totals(trainer.pad_multiple)
+    t0 = time.perf_counter()
+    run_steps(trainer, batches, b.steps, progress, totals)
+    _sync(device)
+    wall = time.perf_counter() - t0
+    trainer.timer = None
+    progress.close()
+    phases = timer.summary()
+    graphs = speedups.compiled_graphs()
+    return {"wall_s": wall, "warmup_s": warmup_s, "phases": phases, "totals": totals,
+            "graphs": graphs if trainer.tcfg.compile else None,
+            "graphs_during_timed": (graphs - graphs_warm) if trainer.tcfg.compile and graphs is not None else None,
+            "peak_mem_gb": peak_memory_gb(device)}
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak RSS
+
+
+def profile_steps(trainer, n: int = 3, rows: int = 15) -> str:
+    """torch.profiler's top operators over `n` more steps (self time on the device, or on the CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.env.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    batches = endless_batches(trainer.data)
+    with profile(activities=activities) as prof:
+        run_steps(trainer, batches, n, Progress(None, 0, False))
+        _sync(trainer.env.device)
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows)
+
+
+def summarise(trainer, cfg, m: dict) -> dict:
+    """One JSON-able record: this job's throughput and, per worker, time split, memory, FLOPs and MFU."""
+    env, b, t = trainer.env, cfg.bench, m["totals"]
+    tgt, src, sents, slots = env.all_reduce_sum([t.tgt, t.src, t.sentences, t.slots])
+    wall = env.all_reduce_max([m["wall_s"]])[0]
+    flops = step_flops(trainer.model.args, t.shapes) / b.steps  # this worker's, per optimiser step
+    achieved = flops * b.steps / m["wall_s"]
+    name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
+    compute = compute_type(trainer)
+    peak = b.peak_tflops or (peak_tflops(name, compute) if env.device.type == "cuda" else None)
+    step_ms = 1e3 * m["wall_s"] / b.steps
+    split = {"data_wait_ms": 1e3 * t.data_s / b.steps,
+             **{f"{k}_ms": v for k, v in m["phases"].items()}}
+    if not env.distributed:
+        split["communication_ms"] = None  # one worker: nothing to communicate
+    split["other_ms"] = max(step_ms - sum(v for v in split.values() if v is not None), 0.0)
+    a = trainer.model.args
+    return {
+        "device": name, "workers": env.world_size, "torch": torch.__version__, "commit": _commit(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": torch.get_num_threads(),
+        "model": {k: getattr(a, k) for k in ("N", "d_model", "d_ff", "h", "src_vocab_size", "tgt_vocab_size")},
+        "params_m": round(sum(p.numel() for p in trainer.model.parameters()) / 1e6, 2),
+        "data": "synthetic" if b.synthetic else cfg.data.name, "max_tokens": cfg.data.max_tokens,
+        "accumulate": trainer.tcfg.accumulate, "compute": compute, "compile": trainer.tcfg.compile,
+        "pad_to_multiple": trainer.pad_multiple, "activation_checkpointing": trainer.tcfg.activation_checkpointing,
+        "warmup_steps": b.warmup, "warmup_s": m["warmup_s"], "steps": b.steps, "wall_s": wall,
+        "tgt_tokens_per_s": tgt / wall, "src_tokens_per_s": src / wall, "sentences_per_s": sents / wall,
+        "target_padding": 1 - tgt / max(slots, 1), "step_ms": step_ms,
+        **split,
+        "peak_mem_gb": m["peak_mem_gb"], "peak_mem_kind": "cuda_max_allocated" if name != "cpu" else "process_rss",
+        "flops_per_step": flops, "achieved_tflops": achieved / 1e12, "peak_tflops": peak,
+        "mfu": achieved / (peak * 1e12) if peak else None,
+        "graphs": m["graphs"], "graphs_during_timed": m["graphs_during_timed"],
+    }
+
+
+def _commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def table(r: dict) -> str:
+    """The human-readable report (the JSON line carries the same numbers)."""
+    def ms(key):
+        v = r[key]
+        return "n/a (one worker)" if v is None else f"{v:9.2f} ms  {100 * v / r['step_ms']:5.1f}%"
+
+    mdl = r["model"]
+    head = (f"transformer-bench | {r['device']} x{r['workers']} | torch {r['torch']} | commit {r['commit']}\n"
+            f"model N={mdl['N']} d_model={mdl['d_model']} d_ff={mdl['d_ff']} h={mdl['h']} "
+            f"vocab {mdl['src_vocab_size']}/{mdl['tgt_vocab_size']} ({r['params_m']}M params) | {r['compute']} | "
+            f"compile {r['compile']} | data {r['data']} max_tokens={r['max_tokens']} accumulate={r['accumulate']}")
+    mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:g} TFLOP/s" if r["mfu"] is not None
+           else "n/a (no known peak: set bench.peak_tflops)" if r["device"] != "cpu" else "n/a on CPU")
+    rows = [
+        ("target tokens/s (real)", f"{r['tgt_tokens_per_s']:,.0f}"),
+        ("source tokens/s (real)", f"{r['src_tokens_per_s']:,.0f}"),
+        ("sentences/s", f"{r['sentences_per_s']:,.1f}"),
+        ("target padding", f"{100 * r['target_padding']:.1f}%"),
+        ("step time", f"{r['step_ms']:9.2f} ms  ({r['steps']} timed steps after {r['warmup_steps']} "
+                      f"warm-up steps, {r['warmup_s']:.1f} s)"),
+        ("  data wait (host)", ms("data_wait_ms")),
+        ("  forward+backward", ms("forward_backward_ms")),
+        ("  communication", ms("communication_ms")),
+        ("  optimizer", ms("optimizer_ms")),
+        ("  other (host, not overlapped)", ms("other_ms")),
+        ("peak memory", f"{r['peak_mem_gb']:.2f} GiB ({r['peak_mem_kind']})"),
+        ("model FLOPs / step", f"{r['flops_per_step'] / 1e12:.4g} TFLOP (per worker)"),
+        ("achieved", f"{r['achieved_tflops']:.4g} TFLOP/s (per worker)"),
+        ("MFU", mfu),
+    ]
+    if r["graphs"] is not None:
+        rows.append(("compiled graphs", f"{r['graphs']} ({r['graphs_during_timed']} during the timed steps)"))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([head, "-" * len(head.splitlines()[0])] + [f"{k:<{width}}  {v}" for k, v in rows])
+
+
+def run_benchmark(cfg) -> Optional[dict]:
+    """Composes nothing: `cfg` is the training config with its `bench` node. Returns the record (rank 0)."""
+    validate(cfg)
+    check_bench(cfg)
+    run = dist.torchrun_env() or {"rank": 0, "local_rank": 0, "world_size": 1}
+    env = dist.init(run["rank"], run["local_rank"], run["world_size"], cfg.trainer.accelerator, cfg.trainer.timeout_s)
+    setup_logging(None)
+    try:
+        trainer = build(cfg, env)
+        m = measure(trainer, cfg.bench)
+        record = summarise(trainer, cfg, m)
+        prof = profile_steps(trainer) if cfg.bench.profile else None
+        trainer.close()
+        _report(record, prof, cfg.bench.out)
+        return record if env.is_main else None
+    finally:
+        dist.close()
+
+
+@dist.rank_zero
+def _report(record: dict, prof: Optional[str], out: Optional[str]) -> None:
+    import json
+
+    line = json.dumps(record)
+    if prof:
+        print(prof)
+    print(table(record))
+    print(line, flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as f:
+            f.write(line + "\n")

@@ -1,0 +1,141 @@
+"""What keeps the training step free of host-device synchronisation.
+
+On a GPU every `.item()`, `float(tensor)` or `.tolist()` stalls the CPU until the GPU has drained its
+queue, and the GPU then idles while the CPU prepares the next kernels. So the step's statistics stay
+on the device: one float64 tensor per step, `(target tokens, loss sum, nll sum, stop flag)`, all-reduced
+once (NCCL enqueues it; nothing waits), summed into a `TrainWindow` on the device and read only when a
+line is logged. The gradients are normalised by its token count as a device tensor. The stop flag
+(SIGTERM/SIGUSR1 seen by any rank) is read through `LaggedFlag` one step late: at the end of step s the
+host reads the flag of step s-1, whose all-reduce finished while step s was being queued, so the GPU
+always has a step of work in hand. Every rank reads the same all-reduced value after the same step, so
+all ranks stop together, at most two steps after the signal arrived.
+"""
+import time
+from typing import Dict, List, NamedTuple, Optional
+
+import torch
+
+STATS = ("tokens", "loss", "nll", "stop")  # the entries of a step's statistics tensor
+
+
+class StepResult(NamedTuple):
+    """One optimiser step's outcome; the tensors live on the training device (0-dim views of `stats`)."""
+    tokens: torch.Tensor  # target tokens of the global batch (all micro-batches, all ranks)
+    loss: torch.Tensor  # label-smoothed loss summed over those tokens
+    nll: torch.Tensor
+    stop: torch.Tensor  # > 0 when any rank received a stop signal before this step's all-reduce
+    grad_norm: Optional[torch.Tensor]  # total gradient norm before clipping (trainer.clip_norm set)
+    stats: torch.Tensor  # (4,) float64: tokens, loss, nll, stop
+
+
+def new_stats(device: torch.device, tokens: int, loss: torch.Tensor, nll: torch.Tensor, stop: bool) -> torch.Tensor:
+    """(4,) float64 on `device`. Python numbers enter through fill_ (a kernel argument, not a host-to-device
+    copy from pageable memory, which would wait for the GPU); the sums are device-to-device copies."""
+    stats = torch.empty(len(STATS), dtype=torch.float64, device=device)
+    stats[0].fill_(tokens)
+    stats[1].copy_(loss)
+    stats[2].copy_(nll)
+    stats[3].fill_(float(stop))
+    return stats
+
+
+def step_result(stats: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> StepResult:
+    return StepResult(stats[0], stats[1], stats[2], stats[3], grad_norm, stats)
+
+
+class TrainWindow:
+    """Sums of the steps since the last logged line: tokens, loss and nll on the device, steps and the
+    start time on the host. `read()` is the one synchronisation per logged line."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums: Optional[torch.Tensor] = None
+        self.steps = 0
+        self.time = time.time()
+
+    def add(self, result: StepResult) -> None:
+        part = result.stats[:3]
+        self.sums = part.clone() if self.sums is None else self.sums.add_(part)
+        self.steps += 1
+
+    def read(self, grad_norm: Optional[torch.Tensor] = None) -> Dict[str, float]:
+        """{tokens, loss, nll[, grad_norm], steps, elapsed}: one device-to-host copy for all of them."""
+        parts = [self.sums if self.sums is not None else torch.zeros(3, dtype=torch.float64)]
+        if grad_norm is not None:
+            parts.append(grad_norm.detach().to(parts[0].device, torch.float64).view(1))
+        values = torch.cat(parts).tolist()
+        out = dict(zip(("tokens", "loss", "nll", "grad_norm"), values))
+        out.update(steps=self.steps, elapsed=time.time() - self.time)  # after the copy: the GPU caught up
+        return out
+
+
+class LaggedFlag:
+    """A device flag read one push late without draining the GPU's queue: `push(flag)` starts an asynchronous
+    copy of `flag` into pinned host memory and returns the previous push's value, waiting (on its CUDA
+    event) only for the work queued before that copy. On the CPU the copy is a plain read."""
+
+    def __init__(self):
+        self._buffers: List[torch.Tensor] = []
+        self._pending = None  # (host tensor, event or None)
+        self._turn = 0
+
+    def push(self, flag: torch.Tensor) -> bool:
+        previous = self._read()
+        if flag.is_cuda:
+            if not self._buffers:  # two pinned buffers, used in turn: one is read while the other is written
+                self._buffers = [torch.empty((), dtype=flag.dtype, pin_memory=True) for _ in range(2)]
+            host = self._buffers[self._turn]
+            self._turn ^= 1
+            host.copy_(flag, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (host, event)
+        else:
+            self._pending = (flag, None)
+        return previous
+
+    def _read(self) -> bool:
+        if self._pending is None:
+            return False
+        host, event = self._pending
+        if event is not None:
+            event.synchronize()
+        return bool(host.item() > 0)  # a host tensor by now: no device round trip
+
+
+class StepTimer:
+    """Where a step's time goes, for `transformer-bench`: `start()` then `mark(phase)` at each phase's end.
+    CUDA events on a GPU (recorded on the stream, read once by `summary()`, so timing adds no sync),
+    perf_counter on the CPU, where kernels run synchronously."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.steps: List[list] = []
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.steps.append([("start", self._now())])
+
+    def mark(self, phase: str) -> None:
+        if self.steps:
+            self.steps[-1].append((phase, self._now()))
+
+    def summary(self) -> Dict[str, float]:
+        """Mean milliseconds per step of each phase (from its previous mark to its own)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        totals: Dict[str, float] = {}
+        for marks in self.steps:
+            for (_, a), (phase, b) in zip(marks, marks[1:]):
+                ms = a.elapsed_time(b) if self.cuda else 1e3 * (b - a)
+                totals[phase] = totals.get(phase, 0.0) + ms
+        n = max(len(self.steps), 1)
+        return {phase: ms / n for phase, ms in totals.items()}

@@ -1,0 +1,84 @@
+"""GPU switches of the trainer: TF32, deterministic cuBLAS, torch.compile with bounded recompiles, DDP
+options and activation checkpointing. Each is a `trainer.*` key (transformer/config.py); the README's
+Performance section says which defaults were measured and which were not.
+"""
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from transformer.data.batch import PAD, Batch
+
+
+def configure_backends(tcfg, device: torch.device) -> None:
+    """TF32 for float32 matrix products on GPUs that have it (Ampere and newer; it changes nothing under
+    bf16 autocast, where the products are bf16 already), and the cuBLAS workspace setting that
+    `trainer.deterministic` needs on CUDA (read when cuBLAS starts, so before the first product)."""
+    if device.type != "cuda":
+        return
+    torch.set_float32_matmul_precision("high" if tcfg.tf32 else "highest")
+    if tcfg.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def pad_multiple(tcfg) -> int:
+    """trainer.pad_to_multiple, or its default: 8 under torch.compile (fewer distinct shapes, tensor-core
+    friendly lengths), 1 (no padding) in eager mode, where every extra position is wasted work."""
+    if tcfg.pad_to_multiple is not None:
+        return tcfg.pad_to_multiple
+    return 8 if tcfg.compile else 1
+
+
+def prepare_batch(batch: Batch, multiple: int, dynamic: bool) -> Batch:
+    """Right-pads source and target lengths (on the device) to a multiple of `multiple` with <pad>, which
+    every mask and the loss already ignore, and under torch.compile marks batch size and lengths dynamic,
+    so one compiled graph serves the varying shapes of token-bucketed batches instead of one per shape."""
+    src, tgt_in, tgt_out = batch.src, batch.tgt_in, batch.tgt_out
+    if multiple > 1:
+        src = _pad_to(src, multiple)
+        tgt_in, tgt_out = _pad_to(tgt_in, multiple), _pad_to(tgt_out, multiple)
+    if dynamic:
+        for t in (src, tgt_in):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+    return Batch(src, tgt_in, tgt_out, batch.ids, batch.n_tokens)
+
+
+def _pad_to(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -x.size(1) % multiple
+    return F.pad(x, (0, extra), value=PAD) if extra else x
+
+
+def checkpoint_layers(model: torch.nn.Module) -> None:
+    """trainer.activation_checkpointing: each encoder and decoder layer keeps only its input for the backward
+    pass and recomputes its activations there (about one more forward pass of the stacks, for activation
+    memory that no longer grows with N). Dropout masks are replayed exactly (the RNG state is saved),
+    so gradients equal those without checkpointing. The forward is wrapped per instance, so parameter
+    names, and checkpoints, are unchanged."""
+    for layer in [*model.encoder, *model.decoder]:
+        layer.forward = _checkpointed(layer.forward)
+
+
+def _checkpointed(forward):
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():  # validation and decoding: nothing to save memory for
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def ddp_kwargs(tcfg, device: torch.device) -> dict:
+    """No unused-parameter search (every parameter gets a gradient); gradients live in DDP's buckets."""
+    return {"device_ids": [device.index] if device.type == "cuda" else None, "gradient_as_bucket_view": True,
+            "bucket_cap_mb": tcfg.ddp_bucket_mb, "static_graph": tcfg.ddp_static_graph}
+
+
+def compiled_graphs() -> Optional[int]:
+    """Graphs torch.compile has produced in this process so far (Dynamo's counter), or None without it."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return int(counters["stats"]["unique_graphs"])
