@@ -4,10 +4,10 @@ import hashlib
 import http.server
 import os
 import threading
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
 
 import pytest
 import torch
@@ -79,8 +79,8 @@ class FakeEnv:
     rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
-    from_rank0: Optional[object] = None  # what broadcast_object returns on ranks > 0
-    events: List[str] = field(default_factory=list)
+    from_rank0: object | None = None  # what broadcast_object returns on ranks > 0
+    events: list[str] = field(default_factory=list)
 
     @property
     def is_main(self) -> bool:

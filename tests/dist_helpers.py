@@ -6,8 +6,8 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -41,8 +41,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun_cmd(*overrides: str, nproc: int = 2, nnodes: int = 1, rdzv_id: Optional[str] = None,
-                 endpoint: Optional[str] = None, max_restarts: int = 0) -> List[str]:
+def torchrun_cmd(*overrides: str, nproc: int = 2, nnodes: int = 1, rdzv_id: str | None = None,
+                 endpoint: str | None = None, max_restarts: int = 0) -> list[str]:
     """`torchrun ... -m transformer.train <overrides>` with a c10d rendezvous on 127.0.0.1 only."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint or f'127.0.0.1:{free_port()}'}",
@@ -50,7 +50,7 @@ def torchrun_cmd(*overrides: str, nproc: int = 2, nnodes: int = 1, rdzv_id: Opti
             "--local-addr=127.0.0.1", "-m", "transformer.train", *overrides]
 
 
-def run_cli(cmd: Sequence[str], cwd: Path, env: Optional[dict] = None, expect: Optional[int] = 0,
+def run_cli(cmd: Sequence[str], cwd: Path, env: dict | None = None, expect: int | None = 0,
             timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
     res = subprocess.run(list(cmd), cwd=cwd, env=env or env_for(), capture_output=True, text=True,
                          timeout=timeout)
@@ -60,13 +60,13 @@ def run_cli(cmd: Sequence[str], cwd: Path, env: Optional[dict] = None, expect: O
     return res
 
 
-def train(run_dir: Path, *overrides: str, cwd: Path, expect: Optional[int] = 0, **kw):
+def train(run_dir: Path, *overrides: str, cwd: Path, expect: int | None = 0, **kw):
     """One plain/spawn CLI run into `run_dir`."""
     return run_cli(train_cmd(*TINY, f"hydra.run.dir={run_dir}", *overrides), cwd, expect=expect, **kw)
 
 
-def torchrun(run_dir: Optional[Path], *overrides: str, cwd: Path, expect: Optional[int] = 0, nproc: int = 2,
-             env: Optional[dict] = None, **kw):
+def torchrun(run_dir: Path | None, *overrides: str, cwd: Path, expect: int | None = 0, nproc: int = 2,
+             env: dict | None = None, **kw):
     rd = (f"hydra.run.dir={run_dir}",) if run_dir is not None else ()
     return run_cli(torchrun_cmd(*TINY, *rd, *overrides, nproc=nproc, **kw), cwd, env=env, expect=expect)
 
@@ -83,7 +83,7 @@ def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
         if atol == 0:
             assert torch.equal(ta, tb), f"{k} differs: max |diff| {(ta - tb).abs().max().item():.3g}"
         else:
-            torch.testing.assert_close(ta, tb, atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
+            torch.testing.assert_close(ta, tb, atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def assert_same_state(a: dict, b: dict) -> None:
@@ -97,12 +97,12 @@ def assert_same_state(a: dict, b: dict) -> None:
     for i in sa:
         for name, v in sa[i].items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb[i][name])), f"optimizer state {i}.{name}"
-    for ra, rb in zip(a["rng"], b["rng"]):
+    for ra, rb in zip(a["rng"], b["rng"], strict=True):
         assert torch.equal(ra["cpu"], rb["cpu"]), "RNG states differ"
 
 
 # ---- processes -------------------------------------------------------------------------------------------
-def children(pid: int) -> List[int]:
+def children(pid: int) -> list[int]:
     """Direct children of `pid`, from /proc (no psutil)."""
     out = []
     for entry in Path("/proc").iterdir():
@@ -125,7 +125,7 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def environ(pid: int) -> Dict[str, str]:
+def environ(pid: int) -> dict[str, str]:
     try:
         raw = (Path("/proc") / str(pid) / "environ").read_bytes()
     except OSError:
@@ -133,12 +133,12 @@ def environ(pid: int) -> Dict[str, str]:
     return dict(kv.split("=", 1) for kv in raw.decode(errors="replace").split("\0") if "=" in kv)
 
 
-def spawned_workers(parent: int) -> List[int]:
+def spawned_workers(parent: int) -> list[int]:
     """Worker processes of the spawn path (not multiprocessing's resource tracker)."""
     return [p for p in children(parent) if "spawn_main" in cmdline(p)]
 
 
-def torchrun_workers(agent: int) -> Dict[int, int]:
+def torchrun_workers(agent: int) -> dict[int, int]:
     """{global rank: pid} of a torchrun agent's worker processes."""
     found = {}
     for p in children(agent):
@@ -148,7 +148,7 @@ def torchrun_workers(agent: int) -> Dict[int, int]:
     return found
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, proc: Optional[subprocess.Popen] = None):
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, proc: subprocess.Popen | None = None):
     deadline = time.time() + timeout
     while time.time() < deadline:
         value = predicate()
@@ -161,12 +161,12 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, proc: O
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def step_files(run_dir: Path) -> List[Path]:
+def step_files(run_dir: Path) -> list[Path]:
     folder = Path(run_dir) / "checkpoints"
     return sorted(folder.glob("step_*.pt")) if folder.is_dir() else []
 
 
-def popen(cmd: Sequence[str], cwd: Path, env: Optional[dict] = None) -> subprocess.Popen:
+def popen(cmd: Sequence[str], cwd: Path, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(list(cmd), cwd=cwd, env=env or env_for(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
 
@@ -179,7 +179,7 @@ def finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> str:
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         _, err = proc.communicate()
-        raise AssertionError(f"hung: killed after {timeout}s\n{err[-6000:]}")
+        raise AssertionError(f"hung: killed after {timeout}s\n{err[-6000:]}") from None
 
 
 def kill_tree(pid: int) -> None:
@@ -191,7 +191,7 @@ def kill_tree(pid: int) -> None:
         pass
 
 
-def files_under(folder: Path) -> List[str]:
+def files_under(folder: Path) -> list[str]:
     return sorted(str(p.relative_to(folder)) for p in Path(folder).rglob("*"))
 
 

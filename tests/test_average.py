@@ -1,8 +1,8 @@
 """transformer-average: fairseq average_checkpoints semantics, refusals, atomic output."""
 import pytest
 import torch
-
 from test_decode import copy_checkpoint, one_thread  # noqa: F401
+
 from transformer.average import average_checkpoints, main
 from transformer.checkpoint import atomic_save, load_checkpoint
 from transformer.config import ModelConfig

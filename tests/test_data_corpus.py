@@ -54,7 +54,7 @@ def test_empty_file(tmp_path, content):
 
 @pytest.mark.parametrize("gz", [False, True])
 def test_invalid_utf8_names_file_and_line(tmp_path, gz):
-    data = "gut\nauch gut\n".encode() + b"schlecht \xff\xfe\n" + b"ok\n"
+    data = b"gut\nauch gut\n" + b"schlecht \xff\xfe\n" + b"ok\n"
     path = tmp_path / ("t.de.gz" if gz else "t.de")
     path.write_bytes(gzip.compress(data) if gz else data)
     with pytest.raises(ValueError, match=r"t\.de(\.gz)?, line 3: invalid UTF-8"):

@@ -10,12 +10,20 @@ import pytest
 import torch
 
 from transformer.checkpoint import FORMAT
-from transformer.config import (CheckpointConfig, EvalConfig, ModelConfig, OptimConfig, TrainerConfig)
+from transformer.config import CheckpointConfig, EvalConfig, ModelConfig, OptimConfig, TrainerConfig
 from transformer.data.batch import BOS, EOS, PAD, collate
 from transformer.data.config import DataConfig, TokenizerConfig
 from transformer.data.copy import CopyTokenizer
-from transformer.decode import (beam_search, encode_batch, greedy_decode, greedy_search, length_batches,
-                                max_lengths, search, translate_sentences)
+from transformer.decode import (
+    beam_search,
+    encode_batch,
+    greedy_decode,
+    greedy_search,
+    length_batches,
+    max_lengths,
+    search,
+    translate_sentences,
+)
 from transformer.model import Transformer
 
 VOCAB = 12  # 4 specials + symbols 4..11
@@ -30,7 +38,7 @@ def random_copy_items(n: int, seed: int, min_len: int = 1, max_len: int = 8):
     return items
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def copy_model() -> Transformer:
     """A 1-layer model trained for a few seconds to copy sequences of 1-8 symbols (variable length, so
     it has to learn where </s> goes). Cached: every test module shares one training run."""
@@ -126,7 +134,7 @@ def test_copy_model_learned_the_task(model, src):
     # Guards the other tests: they compare decoders on a model that emits </s> at sensible places.
     hyps = greedy_decode(model, src)
     refs = [s[s > EOS].tolist() for s in src]
-    assert np.mean([h == r for h, r in zip(hyps, refs)]) >= 0.75
+    assert np.mean([h == r for h, r in zip(hyps, refs, strict=True)]) >= 0.75
 
 
 def test_beam_size_one_is_greedy(model, src):
@@ -142,8 +150,8 @@ def test_cached_equals_uncached(model, src, beam):
     cached = search(model, src, {"beam": beam, "nbest": beam}, use_cache=True)
     uncached = search(model, src, {"beam": beam, "nbest": beam}, use_cache=False)
     assert [[h.tokens for h in n] for n in cached] == [[h.tokens for h in n] for n in uncached]
-    for n1, n2 in zip(cached, uncached):
-        for h1, h2 in zip(n1, n2):
+    for n1, n2 in zip(cached, uncached, strict=True):
+        for h1, h2 in zip(n1, n2, strict=True):
             assert h1.score == pytest.approx(h2.score, abs=1e-4)
 
 
@@ -226,4 +234,4 @@ def test_translate_sentences_keeps_input_order_whatever_the_batching(model):
     assert [n[0].text for n in big] == [n[0].text for n in small]
     direct = search(model, encode_batch([tok.encode_src(s) for s in sentences], "cpu"), {"beam": 3})
     assert [n[0].text for n in big] == [tok.decode_tgt(n[0].tokens) for n in direct]
-    assert np.mean([n[0].text == s for n, s in zip(big, sentences)]) >= 0.5  # it copies
+    assert np.mean([n[0].text == s for n, s in zip(big, sentences, strict=True)]) >= 0.5  # it copies

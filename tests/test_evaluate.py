@@ -9,9 +9,9 @@ import sacrebleu
 import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
-
 from data_helpers import MULTI30K, needs_multi30k
 from test_decode import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
+
 from transformer.checkpoint import atomic_save
 from transformer.config import EvalConfig
 from transformer.data.copy import CopyTokenizer
@@ -137,12 +137,13 @@ def test_valid_bleu_sharded_over_two_ranks_matches_one_process(tmp_path):
 @needs_multi30k
 def test_multi30k_split_via_data_root(tmp_path, capsys):
     """A spaCy-vocabulary model (untrained) evaluated on test_2016_flickr read through load_split."""
+    from test_decode import full_config
+
+    from transformer.checkpoint import FORMAT
+    from transformer.config import ModelConfig
     from transformer.data.corpus import read_lines
     from transformer.data.tokenizer import SpacyTokenizer
     from transformer.model import Transformer
-    from transformer.config import ModelConfig
-    from test_decode import full_config
-    from transformer.checkpoint import FORMAT
 
     de = read_lines(MULTI30K / "train.de.gz")[:300]
     en = read_lines(MULTI30K / "train.en.gz")[:300]

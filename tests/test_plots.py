@@ -3,8 +3,8 @@ import json
 
 import pytest
 import torch
-
 from test_decode import copy_checkpoint, one_thread  # noqa: F401
+
 from transformer.checkpoint import atomic_save
 from transformer.config import ModelConfig
 from transformer.data.copy import CopyTokenizer
@@ -71,6 +71,7 @@ def test_attention_maps_are_distributions_of_the_right_shape(run_dir):
 
 def test_log_figures_adds_images_to_tensorboard(run_dir, tmp_path):
     from torch.utils.tensorboard import SummaryWriter
+
     from transformer.plots import read_metrics as rm
 
     writer = SummaryWriter(str(tmp_path / "tb"))
@@ -97,6 +98,7 @@ def test_deep_model_keeps_few_figures_open(run_dir, tmp_path, monkeypatch):
     """27 figures for an 8-layer model: drawn one at a time, so matplotlib never warns about >20 open
     figures and nothing stays open afterwards (the trainer draws these at the end of every run)."""
     import matplotlib.pyplot as plt
+
     from transformer import plots
 
     most_open = []

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tests.conftest import compose_cfg
-from transformer.checkpoint import CheckpointError, Checkpointer, atomic_save, load_checkpoint, load_model
+from transformer.checkpoint import Checkpointer, CheckpointError, atomic_save, load_checkpoint, load_model
 from transformer.data.batch import PairDataset, Ragged, collate
 from transformer.data.copy import CopyData
 from transformer.dist import DistEnv
@@ -42,11 +42,11 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     for _ in range(3):
         big._optimizer_step([collate(items)])
         acc._optimizer_step([collate(items[:2]), collate(items[2:7]), collate(items[7:])])
-    for (name, a), b in zip(big.model.named_parameters(), acc.model.parameters()):
+    for (name, a), b in zip(big.model.named_parameters(), acc.model.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-6, rtol=0), name
     # And the test can fail: a different split normalised per micro-batch would not match.
     assert any(not torch.equal(a, b) for a, b in zip(big.model.parameters(), make_trainer(
-        tmp_path / "c", seed_model=1).model.parameters()))
+        tmp_path / "c", seed_model=1).model.parameters(), strict=True))
 
 
 def test_checkpoint_round_trip_gives_identical_next_step(tmp_path):
@@ -65,7 +65,7 @@ def test_checkpoint_round_trip_gives_identical_next_step(tmp_path):
     torch.set_rng_state(ckpt["rng"][0]["cpu"])  # both trainers share this process's RNG: rewind for t2
     out2 = t2._optimizer_step([batches[3]])
     assert out1[1] == out2[1]  # the same loss, bit for bit (dropout RNG restored)
-    for a, b in zip(t1.model.parameters(), t2.model.parameters()):
+    for a, b in zip(t1.model.parameters(), t2.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_decode import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
+
 from transformer.checkpoint import atomic_save
 from transformer.config import EvalConfig
 from transformer.data.copy import CopyTokenizer

@@ -9,8 +9,9 @@ import functools
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 import torch
 import torch.distributed as torch_dist
@@ -37,7 +38,7 @@ class DistEnv:
         if self.distributed:
             torch_dist.barrier()
 
-    def all_reduce_sum(self, values: List[float]) -> List[float]:
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
         """Sums a few numbers over ranks (fp64, so token counts stay exact)."""
         if not self.distributed:
             return list(values)
@@ -45,7 +46,7 @@ class DistEnv:
         torch_dist.all_reduce(t)
         return t.tolist()
 
-    def all_reduce_max(self, values: List[float]) -> List[float]:
+    def all_reduce_max(self, values: list[float]) -> list[float]:
         if not self.distributed:
             return list(values)
         t = torch.tensor(values, dtype=torch.float64, device=self._comm_device())
@@ -60,7 +61,7 @@ class DistEnv:
         torch_dist.broadcast_object_list(box, src=0, device=self._comm_device())
         return box[0]
 
-    def gather_objects(self, obj: Any) -> Optional[List[Any]]:
+    def gather_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj`, in rank order, on rank 0 (None elsewhere)."""
         if not self.distributed:
             return [obj]
@@ -93,7 +94,7 @@ def rank_zero(fn: Callable) -> Callable:
     return wrapper
 
 
-def torchrun_env() -> Optional[dict]:
+def torchrun_env() -> dict | None:
     """RANK/LOCAL_RANK/WORLD_SIZE set by torchrun (or srun + torchrun), else None."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return {"rank": int(os.environ["RANK"]), "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
@@ -119,7 +120,7 @@ def resolve_device(accelerator: str, local_rank: int) -> torch.device:
 
 
 def init(rank: int, local_rank: int, world_size: int, accelerator: str, timeout_s: int,
-         store: Optional[torch_dist.Store] = None) -> DistEnv:
+         store: torch_dist.Store | None = None) -> DistEnv:
     """Joins the process group (when world_size > 1) and records this worker's identity.
 
     The spawn path passes the parent's `store`. Under torchrun, env:// reads MASTER_ADDR/MASTER_PORT,
@@ -145,7 +146,7 @@ def init(rank: int, local_rank: int, world_size: int, accelerator: str, timeout_
     return _ENV
 
 
-def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[torch_dist.Store]:
+def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> torch_dist.Store | None:
     """torchrun's agent store outlives restart attempts, keys included (the default since torch 2.5), so
     a restarted worker can read the address a dead one published and fail to connect ("Connection
     refused" in connectFullMesh; pytorch/pytorch#135712). On one node the agent's restart count numbers

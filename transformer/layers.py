@@ -1,6 +1,5 @@
 """Building blocks of the Transformer (paper Section 3): attention, feed-forward, encoder and decoder layers."""
 import math
-from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +26,7 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
         self.store_attention = False
-        self.last_attention: Optional[torch.Tensor] = None
+        self.last_attention: torch.Tensor | None = None
 
     def split_heads(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -37,9 +36,9 @@ class MultiHeadAttention(nn.Module):
         """Keys and values of `x` (B, S, d_model), each (B, h, S, d_k): computed once per source for cross-attention."""
         return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
 
-    def forward(self, query: torch.Tensor, key_value: Optional[torch.Tensor] = None, mask=None,
-                is_causal: bool = False, kv: Optional[tuple] = None,
-                cache: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key_value: torch.Tensor | None = None, mask=None,
+                is_causal: bool = False, kv: tuple | None = None,
+                cache: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """query (B, T, d_model). Keys/values come from `key_value` (B, S, d_model), or precomputed `kv`.
         `cache` (decoder self-attention while decoding) holds the keys/values of earlier positions and is
         extended in place, so each new token costs one row of attention instead of the whole prefix."""
@@ -136,7 +135,7 @@ class DecoderLayer(nn.Module):
         self.sub3 = SublayerConnection(d_model, dropout, norm_first)
 
     def forward(self, x: torch.Tensor, memory_kv: tuple, src_mask: torch.Tensor,
-                cache: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+                cache: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         # Right padding: a real target position never sees a pad position under the causal mask,
         # so the causal mask alone suffices (and lets SDPA use its fused causal kernels).
         x = self.sub1(x, lambda y: self.self_attn(y, is_causal=True, cache=cache))

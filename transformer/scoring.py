@@ -15,7 +15,7 @@ def copy_accuracy(model, dataset: PairDataset, env, device: torch.device, batch_
         batch = collate([dataset[j] for j in idx[i:i + batch_size]])
         src = batch.src.to(device)
         hyps = greedy_decode(model, src, max_len_a=1.0, max_len_b=2)
-        for (_, _, tgt), hyp in zip((dataset[j] for j in idx[i:i + batch_size]), hyps):
+        for (_, _, tgt), hyp in zip((dataset[j] for j in idx[i:i + batch_size]), hyps, strict=True):
             correct += int(hyp == tgt.tolist())
     correct, total = env.all_reduce_sum([correct, len(idx)])
     return correct / max(total, 1)
@@ -36,7 +36,7 @@ def valid_bleu(model, data, env, eval_cfg, device: torch.device) -> dict:
     n = len(srcs) if limit is None else min(len(srcs), int(limit))
     mine = list(range(env.rank, n, env.world_size))
     hyps = translate_sentences(model, data.tokenizer, [srcs[i] for i in mine], eval_cfg, device)
-    gathered = env.gather_objects([(i, h[0].text) for i, h in zip(mine, hyps)])
+    gathered = env.gather_objects([(i, h[0].text) for i, h in zip(mine, hyps, strict=True)])
     result = None
     if env.is_main:
         texts = [""] * n
