@@ -6,7 +6,7 @@ PYTEST := $(BIN)/python -m pytest
 # CPU machines pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
 CONSTRAINTS ?= constraints-cpu.txt
 
-.PHONY: install train test test-slow test-docker test-gpu test-all clean
+.PHONY: install train test test-slow test-docker test-slurm test-gpu test-all clean
 
 install: $(VENV)/.installed
 
@@ -20,18 +20,21 @@ train: install  ## the copy task end to end on this machine (about 1.5 minutes o
 	$(BIN)/transformer-train experiment=copy
 
 test: install  ## fast CPU tier
-	$(PYTEST) -m "not slow and not distributed and not docker and not gpu"
+	$(PYTEST) -m "not slow and not distributed and not docker and not slurm and not gpu"
 
 test-slow: install  ## end-to-end runs and multi-process (gloo on 127.0.0.1) tests
-	$(PYTEST) -m "(slow or distributed) and not docker and not gpu"
+	$(PYTEST) -m "(slow or distributed) and not docker and not slurm and not gpu"
 
 test-docker: install  ## builds the image from a local base and runs a job in it (needs root)
 	$(PYTEST) -m docker
 
+test-slurm: install  ## starts a one-node Slurm cluster (munged, slurmctld, slurmd) and submits jobs to it (needs root)
+	TIER_PYTHON=$(BIN)/python bash launch/ci/run-slurm-tier.sh || test $$? -eq 77  # 77: skipped (not root)
+
 test-gpu: install  ## needs a CUDA GPU
 	$(PYTEST) -m gpu
 
-test-all: test test-slow test-docker
+test-all: test test-slow test-docker test-slurm
 
 clean:
 	rm -rf $(VENV) outputs multirun .pytest_cache

@@ -31,7 +31,8 @@ from transformer.dist import DistEnv  # noqa: E402
 
 
 def make_cfg(root: Path, cache: Path, tokenizer: str):
-    return OmegaConf.create({"data": OmegaConf.structured(DataConfig(name="multi30k", root=str(root), cache_dir=str(cache))),
+    data = DataConfig(name="multi30k", root=str(root), cache_dir=str(cache))
+    return OmegaConf.create({"data": OmegaConf.structured(data),
                              "tokenizer": OmegaConf.structured(TokenizerConfig(name=tokenizer)), "seed": 1})
 
 
@@ -65,7 +66,8 @@ def bench_preprocessing(root: Path, tmp: Path):
         fresh = float(subprocess.run([sys.executable, "-c", code, str(REPO), str(cfg_file)], check=True,
                                      capture_output=True, text=True).stdout.split()[-1])
         print(f"preprocess tokenizer={tok:5s}: first run {first:6.2f} s | cached, same process {cached:5.2f} s | "
-              f"cached, fresh process (imports included) {fresh:5.2f} s | vocab {dm.src_vocab_size}/{dm.tgt_vocab_size}")
+              f"cached, fresh process (imports included) {fresh:5.2f} s | "
+              f"vocab {dm.src_vocab_size}/{dm.tgt_vocab_size}")
         out[tok] = dm
     return out
 
@@ -77,8 +79,8 @@ def bench_round_trip(dms):
         for side, ids, refs, dec in (("src", dm.valid.src, dm.valid_srcs, t.decode_src),
                                      ("tgt", dm.valid.tgt, dm.valid_refs, t.decode_tgt)):
             hyps = [dec(ids[i]) for i in range(len(refs))]
-            exact = np.mean([h == r for h, r in zip(hyps, refs)])
-            no_unk = [h == r for i, (h, r) in enumerate(zip(hyps, refs)) if UNK not in ids[i]]
+            exact = np.mean([h == r for h, r in zip(hyps, refs, strict=True)])
+            no_unk = [h == r for i, (h, r) in enumerate(zip(hyps, refs, strict=True)) if UNK not in ids[i]]
             bleu = sacrebleu.corpus_bleu(hyps, [refs]).score
             print(f"round trip val tokenizer={tok:5s} {side}: exact {100 * exact:5.1f}% of {len(refs)} | "
                   f"exact {100 * np.mean(no_unk):5.1f}% of the {len(no_unk)} sentences without <unk> | "
@@ -121,7 +123,8 @@ def bench_sampler(dm):
         plan = time.perf_counter() - t0
         total, ps, pt = padding(batches, src, tgt)
         print(f"sampler max_tokens={max_tokens} world_size={world_size}: {len(batches)} batches, padding "
-              f"{100 * total:.2f}% (source {100 * ps:.2f}%, target {100 * pt:.2f}%), epoch planned in {1e3 * plan:.1f} ms")
+              f"{100 * total:.2f}% (source {100 * ps:.2f}%, target {100 * pt:.2f}%), "
+              f"epoch planned in {1e3 * plan:.1f} ms")
     old = old_sort_batches(src, tgt, max_tokens, 1)
     total, ps, pt = padding(old, src, tgt)
     print(f"sampler, previous (target, source) sort: {len(old)} batches, padding {100 * total:.2f}% "
@@ -158,8 +161,8 @@ def bench_training(dm, steps: int):
     """Both feeds train their own copy of the same model; steps alternate between them, so a change in
     machine load during the run hits both alike."""
     from transformer.config import ModelConfig
-    from transformer.training.loss import label_smoothed_cross_entropy
     from transformer.model import Transformer
+    from transformer.training.loss import label_smoothed_cross_entropy
     cfg = ModelConfig(N=2, d_model=128, d_ff=256, h=4, dropout=0.1)
     feeds = {"ours (max_tokens=4096)": our_batches(dm), "annotated (32 x 72)": annotated_batches(dm)}
     runs = {}
@@ -193,7 +196,8 @@ def bench_training(dm, steps: int):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--multi30k", default=os.environ.get("MULTI30K_DIR") or str(REPO.parent / "shared" / "data" / "multi30k"))
+    p.add_argument("--multi30k",
+                   default=os.environ.get("MULTI30K_DIR") or str(REPO.parent / "shared" / "data" / "multi30k"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--only-train", action="store_true", help="skip to the training-step comparison (spaCy data)")

@@ -25,10 +25,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tests.helpers.decoding import Uncached  # noqa: E402 (the uncached decoder lives with the tests)
 from transformer.config import EvalConfig, ModelConfig  # noqa: E402
 from transformer.data.batch import BOS, EOS  # noqa: E402
 from transformer.data.corpus import read_lines  # noqa: E402
-from tests.helpers.decoding import Uncached  # noqa: E402 (the uncached decoder lives with the tests)
 from transformer.decoding import encode_batch, length_batches, search  # noqa: E402
 from transformer.decoding.search import max_lengths  # noqa: E402
 

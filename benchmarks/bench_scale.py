@@ -44,8 +44,8 @@ def make_corpus(multi30k: Path, n: int, folder: Path, seed: int = 0) -> list:
     with open(folder / "train.de", "w", encoding="utf-8") as fs, open(folder / "train.en", "w", encoding="utf-8") as ft:
         for a in range(0, n, 100_000):
             pick = rng.integers(0, len(src), size=(min(n, a + 100_000) - a, 2))
-            fs.write("".join(f"{x} {y}\n" for x, y in zip(src[pick[:, 0]], src[pick[:, 1]])))
-            ft.write("".join(f"{x} {y}\n" for x, y in zip(tgt[pick[:, 0]], tgt[pick[:, 1]])))
+            fs.write("".join(f"{x} {y}\n" for x, y in zip(src[pick[:, 0]], src[pick[:, 1]], strict=False)))
+            ft.write("".join(f"{x} {y}\n" for x, y in zip(tgt[pick[:, 0]], tgt[pick[:, 1]], strict=False)))
     for lang in ("de", "en"):
         shutil.copy(multi30k / f"val.{lang}.gz", folder / f"val.{lang}.gz")
     return ["data=files", f"data.files.train={folder / 'train'}", f"data.files.val={folder / 'val'}"]
@@ -185,7 +185,7 @@ def bench_training(data: list, folder: Path, work: Path, manifest: dict) -> None
         print(f"train from {name} folder, 2 CPU workers: first step {r['seconds']:.1f} s after start | RSS per rank "
               f"at the first step {', '.join(f'{x:.0f}' for x in r['rss'])} MB (peak so far "
               f"{', '.join(f'{x:.0f}' for x in r['hwm'])} MB) | {before} -> {loadavg()}")
-    extra = [f - e for f, e in zip(results["full"]["hwm"], results["empty"]["hwm"])]
+    extra = [f - e for f, e in zip(results["full"]["hwm"], results["empty"]["hwm"], strict=False)]
     print(f"each rank's peak RSS above the empty-data run: {', '.join(f'{x:.0f}' for x in extra)} MB "
           f"({manifest['splits']['train']['pairs']} pairs)")
 

@@ -19,6 +19,8 @@ Options (each also read from the environment variable in brackets):
                           outputs/torchrun-ID [RDZV_ID; under Slurm: SLURM_JOB_ID]
   --nproc-per-node N      workers per node [NPROC; default: GPUs visible, else 1]
   --max-restarts N        restarts of the worker group after a failure [MAX_RESTARTS; default 3]
+  --local-addr ADDR       this node's address as the others reach it (default: torchrun's choice,
+                          the host name); e.g. the address of the fast network [LOCAL_ADDR]
   -h, --help              this text
 
 Environment:
@@ -44,6 +46,7 @@ endpoint=${RDZV_ENDPOINT:-}
 rdzv_id=${RDZV_ID:-}
 nproc=${NPROC:-}
 max_restarts=${MAX_RESTARTS:-3}
+local_addr=${LOCAL_ADDR:-}
 
 # Our options come first; the first word that is not one of them (an override, or a Hydra flag
 # such as --cfg job) starts the trainer's arguments.
@@ -51,11 +54,11 @@ while (($# > 0)); do
     case "$1" in
         -h | --help) usage; exit 0 ;;
         --) shift; break ;;
-        --nnodes=* | --rdzv-endpoint=* | --rdzv-id=* | --nproc-per-node=* | --max-restarts=*)
+        --nnodes=* | --rdzv-endpoint=* | --rdzv-id=* | --nproc-per-node=* | --max-restarts=* | --local-addr=*)
             opt=${1%%=*}; val=${1#*=}; shift
             set -- "$opt" "$val" "$@"
             ;;
-        --nnodes | --rdzv-endpoint | --rdzv-id | --nproc-per-node | --max-restarts)
+        --nnodes | --rdzv-endpoint | --rdzv-id | --nproc-per-node | --max-restarts | --local-addr)
             (($# >= 2)) || die "$1 needs a value"
             case "$1" in
                 --nnodes) nnodes=$2 ;;
@@ -63,6 +66,7 @@ while (($# > 0)); do
                 --rdzv-id) rdzv_id=$2 ;;
                 --nproc-per-node) nproc=$2 ;;
                 --max-restarts) max_restarts=$2 ;;
+                --local-addr) local_addr=$2 ;;
             esac
             shift 2
             ;;
@@ -105,4 +109,5 @@ export_launch_env "$nproc"
 cmd=("$torchrun" --nnodes="$nnodes" --nproc-per-node="$nproc" --rdzv-backend=c10d
     --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id" --max-restarts="$max_restarts")
 if [[ -n "${RDZV_CONF:-}" ]]; then cmd+=(--rdzv-conf="$RDZV_CONF"); fi
+if [[ -n "$local_addr" ]]; then cmd+=(--local-addr="$local_addr"); fi
 run_or_print "${cmd[@]}" -m transformer.train "$@"

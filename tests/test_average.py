@@ -4,10 +4,10 @@ import torch
 
 from tests.helpers.models import copy_checkpoint, one_thread  # noqa: F401
 from transformer.cli.average import main
-from transformer.training.averaging import average_checkpoints
-from transformer.training.checkpoint import atomic_save, load_checkpoint
 from transformer.config import ModelConfig
 from transformer.model import Transformer
+from transformer.training.averaging import average_checkpoints
+from transformer.training.checkpoint import atomic_save, load_checkpoint
 
 
 def tiny(seed: int, d_ff: int = 64) -> Transformer:

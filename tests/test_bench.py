@@ -5,9 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.helpers.data import MULTI30K, needs_multi30k
 
 from tests.helpers.cli import cli_env
+from tests.helpers.data import MULTI30K, needs_multi30k
 from transformer.training.bench import peak_tflops
 
 TINY = ("model=tiny", "model.N=1", "bench.synthetic=true", "bench.sentences=400", "bench.vocab_size=500",

@@ -27,7 +27,7 @@ def test_old_checkpoint_translates_as_before(expected, beam):
     want = expected["outputs"][f"beam{beam}"]
     assert [[h.tokens for h in n] for n in hyps] == [[h["tokens"] for h in n] for n in want]
     assert [[h.text for h in n] for n in hyps] == [[h["text"] for h in n] for n in want]
-    for n, w in zip(hyps, want):
+    for n, w in zip(hyps, want, strict=False):
         assert [h.score for h in n] == pytest.approx([h["score"] for h in w], abs=1e-5)
 
 

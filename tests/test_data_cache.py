@@ -3,8 +3,8 @@ and who builds it."""
 import json
 
 import pytest
-from tests.helpers.data import TRAIN_EN, FakeEnv, small_files_cfg, write_lines
 
+from tests.helpers.data import TRAIN_EN, FakeEnv, small_files_cfg, write_lines
 from transformer.data import translation
 from transformer.data.store import MANIFEST, Preprocessed, Staging
 from transformer.data.translation import build_translation_data, prepare

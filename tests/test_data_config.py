@@ -19,7 +19,7 @@ def test_spacy_defaults(make_cfg):
 def test_files_needs_train_and_val(make_cfg):
     cfg = make_cfg("data=files")
     with pytest.raises(MissingMandatoryValue, match="data.files.train"):
-        cfg.data.files.train
+        _ = cfg.data.files.train
     cfg = make_cfg("data=files", "data.files.train=/c/train", "data.files.val=/c/dev", "+data.files.test=/c/test",
                    "data.test_splits=[test]")
     assert dict(cfg.data.files) == {"train": "/c/train", "val": "/c/dev", "test": "/c/test"}

@@ -2,8 +2,8 @@
 import gzip
 
 import pytest
-from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, FakeEnv, small_files_cfg, write_corpus, write_lines
 
+from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, FakeEnv, small_files_cfg, write_corpus, write_lines
 from transformer.data.batch import BOS, EOS
 from transformer.data.corpus import read_lines, read_parallel, resolve
 from transformer.data.translation import build_translation_data, filter_pairs, load_split
@@ -54,7 +54,7 @@ def test_empty_file(tmp_path, content):
 
 @pytest.mark.parametrize("gz", [False, True])
 def test_invalid_utf8_names_file_and_line(tmp_path, gz):
-    data = "gut\nauch gut\n".encode() + b"schlecht \xff\xfe\n" + b"ok\n"
+    data = b"gut\nauch gut\n" + b"schlecht \xff\xfe\n" + b"ok\n"
     path = tmp_path / ("t.de.gz" if gz else "t.de")
     path.write_bytes(gzip.compress(data) if gz else data)
     with pytest.raises(ValueError, match=r"t\.de(\.gz)?, line 3: invalid UTF-8"):

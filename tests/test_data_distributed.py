@@ -3,8 +3,9 @@ import json
 
 import pytest
 import torch.multiprocessing as mp
-from tests.helpers.data import TRAIN_EN, small_files_cfg
 from omegaconf import OmegaConf
+
+from tests.helpers.data import TRAIN_EN, small_files_cfg
 
 
 def _worker(rank: int, world_size: int, port: int, cfg: dict, out: str) -> None:

@@ -5,8 +5,8 @@ import socket
 import urllib.request
 
 import pytest
-from tests.helpers.data import MULTI30K, FakeEnv, data_cfg, needs_multi30k, serve, sha256_bytes
 
+from tests.helpers.data import MULTI30K, FakeEnv, data_cfg, needs_multi30k, serve, sha256_bytes
 from transformer.data import download
 from transformer.data.download import DownloadError, ensure_multi30k
 

@@ -3,8 +3,8 @@ import urllib.request
 
 import numpy as np
 import pytest
-from tests.helpers.data import MULTI30K, FakeEnv, data_cfg, needs_multi30k
 
+from tests.helpers.data import MULTI30K, FakeEnv, data_cfg, needs_multi30k
 from transformer.data.batch import UNK
 from transformer.data.translation import build_translation_data, load_split
 

@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 import pytest
-from tests.helpers.data import small_files_cfg
 
+from tests.helpers.data import small_files_cfg
 from transformer.data.preprocess import Options
 from transformer.data.store import MANIFEST, NpyWriter, Preprocessed, PreprocessedError, Staging, token_dtype
 from transformer.data.translation import preprocess_corpus

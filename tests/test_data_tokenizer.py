@@ -4,13 +4,19 @@ import json
 
 import pytest
 import torch
-from tests.helpers.data import TRAIN_DE, TRAIN_EN
 from omegaconf import OmegaConf
 
+from tests.helpers.data import TRAIN_DE, TRAIN_EN
 from transformer.data.batch import BOS, EOS, PAD, SPECIALS, UNK
 from transformer.data.config import TokenizerConfig
-from transformer.data.tokenizer import (BpeTokenizer, SpacyTokenizer, Vocab, encode_sources, tokenizer_from_state,
-                                        train_tokenizer)
+from transformer.data.tokenizer import (
+    BpeTokenizer,
+    SpacyTokenizer,
+    Vocab,
+    encode_sources,
+    tokenizer_from_state,
+    train_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +119,8 @@ def test_bpe_shared_vocabulary_and_specials(bpe_tok):
     assert "".join(bpe_tok.src_tokens(ids)).replace("▁", " ").strip() == "Ein Hund."
 
 
-@pytest.mark.parametrize("text", TRAIN_DE[:3] + TRAIN_EN[:3] + ["Zwei  Hunde spielen  im Park.", "Ein unbekannter Mann."])
+@pytest.mark.parametrize("text", TRAIN_DE[:3] + TRAIN_EN[:3] + ["Zwei  Hunde spielen  im Park.",
+                                                                 "Ein unbekannter Mann."])
 def test_bpe_round_trip(bpe_tok, text):
     ids = bpe_tok.encode_tgt(text)
     assert bpe_tok.decode_tgt(ids) == text  # every character was seen in training: exact, spacing included
@@ -134,7 +141,8 @@ def test_bpe_state_rebuilds_identical_tokenizer(bpe_tok, tmp_path):
     bpe_tok.save(tmp_path)
     assert (tmp_path / "vocab.txt").read_text(encoding="utf-8").splitlines()[:4] == SPECIALS
     from tokenizers import Tokenizer
-    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode("Ein Hund.").ids == bpe_tok.encode_src("Ein Hund.")
+    saved = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    assert saved.encode("Ein Hund.").ids == bpe_tok.encode_src("Ein Hund.")
 
 
 def test_train_tokenizer_dispatch_and_errors():

@@ -7,8 +7,8 @@ import tarfile
 import urllib.request
 
 import pytest
-from tests.helpers.data import data_cfg, serve_ranges
 
+from tests.helpers.data import data_cfg, serve_ranges
 from transformer.data import wmt14
 from transformer.data.download import DownloadError
 from transformer.data.preprocess import Options
@@ -91,7 +91,8 @@ def test_interrupted_download_resumes_then_the_chain_runs(tmp_path, server_root,
     archives = tmp_path / "root" / "wmt14" / "archives"
     with serve_ranges(server_root, cut={EUROPARL: 100}) as (url, requests):
         cfg = cfg_for(tmp_path, url)
-        with pytest.raises(DownloadError, match=r"the 100 bytes received are kept in .*\.part and the next run resumes"):
+        with pytest.raises(DownloadError,
+                           match=r"the 100 bytes received are kept in .*\.part and the next run resumes"):
             preprocess_corpus(cfg, tmp_path / "bin", Options(progress=False))
         assert (archives / ".training-parallel-europarl-v7.tgz.part").stat().st_size == 100
         assert not (tmp_path / "bin").exists()
@@ -143,8 +144,8 @@ def test_resume_within_one_run_and_recorded_checksums_guard_the_archives(tmp_pat
 
 
 def test_published_checksum_mismatch_keeps_nothing(tmp_path, server_root, monkeypatch):
-    monkeypatch.setitem(wmt14.ARCHIVES, "newstest2014", wmt14.Archive("wmt14/test-full.tgz",
-                                                                       wmt14.ARCHIVES["newstest2014"].members, "0" * 32))
+    wrong = wmt14.Archive("wmt14/test-full.tgz", wmt14.ARCHIVES["newstest2014"].members, "0" * 32)
+    monkeypatch.setitem(wmt14.ARCHIVES, "newstest2014", wrong)
     with serve_ranges(server_root) as (url, _):
         with pytest.raises(DownloadError, match=r"test-full\.tgz: md5 is .*, expected 0{32}; nothing was written"):
             wmt14.prepare_wmt14(cfg_for(tmp_path, url).data, progress=False)
@@ -154,7 +155,8 @@ def test_published_checksum_mismatch_keeps_nothing(tmp_path, server_root, monkey
 
 
 @pytest.mark.parametrize("src,tgt,kept", [
-    ("a  b\tc ", " x y z", ("a b c", "x y z")), ("", "x", None), ("a b c d", "x y", None), ("a b c", "x y", ("a b c", "x y")),
+    ("a  b\tc ", " x y z", ("a b c", "x y z")), ("", "x", None), ("a b c d", "x y", None),
+    ("a b c", "x y", ("a b c", "x y")),
     ("w " * 21, "w " * 20, None)])
 def test_cleaning_rules(src, tgt, kept):
     assert wmt14.clean_pair(src, tgt, max_words=20, max_ratio=1.5) == kept

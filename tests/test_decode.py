@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 import torch
 
+from tests.helpers.decoding import Uncached, beam, greedy
 from tests.helpers.models import VOCAB, copy_model, one_thread, random_copy_items  # noqa: F401 (fixture)
 from transformer.config import EvalConfig, ModelConfig
 from transformer.data.batch import BOS, EOS, PAD, collate
 from transformer.data.copy import CopyTokenizer
 from transformer.decoding import encode_batch, length_batches, search, translate_sentences
 from transformer.decoding.search import max_lengths
-from tests.helpers.decoding import Uncached, beam, greedy
 from transformer.model import Transformer
+
 
 class ScriptedModel(torch.nn.Module):
     """A stand-in decoder whose next-token distribution depends only on the previous token, given as a
@@ -66,7 +67,7 @@ def test_copy_model_learned_the_task(model, src):
     # Guards the other tests: they compare decoders on a model that emits </s> at sensible places.
     hyps = greedy(model, src)
     refs = [s[s > EOS].tolist() for s in src]
-    assert np.mean([h == r for h, r in zip(hyps, refs)]) >= 0.75
+    assert np.mean([h == r for h, r in zip(hyps, refs, strict=False)]) >= 0.75
 
 
 def test_beam_size_one_is_greedy(model, src):
@@ -82,8 +83,8 @@ def test_cached_equals_uncached(model, src, size):
     cached = search(model, src, EvalConfig(beam=size, nbest=size))
     uncached = search(Uncached(model), src, EvalConfig(beam=size, nbest=size))
     assert [[h.tokens for h in n] for n in cached] == [[h.tokens for h in n] for n in uncached]
-    for n1, n2 in zip(cached, uncached):
-        for h1, h2 in zip(n1, n2):
+    for n1, n2 in zip(cached, uncached, strict=False):
+        for h1, h2 in zip(n1, n2, strict=False):
             assert h1.score == pytest.approx(h2.score, abs=1e-4)
 
 
@@ -166,4 +167,4 @@ def test_translate_sentences_keeps_input_order_whatever_the_batching(model):
     assert [n[0].text for n in big] == [n[0].text for n in small]
     direct = search(model, encode_batch([tok.encode_src(s) for s in sentences], "cpu"), EvalConfig(beam=3))
     assert [n[0].text for n in big] == [tok.decode_tgt(n[0].tokens) for n in direct]
-    assert np.mean([n[0].text == s for n, s in zip(big, sentences)]) >= 0.5  # it copies
+    assert np.mean([n[0].text == s for n, s in zip(big, sentences, strict=False)]) >= 0.5  # it copies

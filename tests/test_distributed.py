@@ -20,9 +20,25 @@ import pytest
 import torch
 
 from tests.helpers.cli import compose_cfg, train_cmd
-from tests.helpers.dist import (TINY, assert_same_state, assert_same_weights, env_for, files_under, finish,
-                                free_port, last_ckpt, popen, run_cli, spawned_workers, step_files, torchrun,
-                                torchrun_cmd, torchrun_workers, train, wait_for)
+from tests.helpers.dist import (
+    TINY,
+    assert_same_state,
+    assert_same_weights,
+    env_for,
+    files_under,
+    finish,
+    free_port,
+    last_ckpt,
+    popen,
+    run_cli,
+    spawned_workers,
+    step_files,
+    torchrun,
+    torchrun_cmd,
+    torchrun_workers,
+    train,
+    wait_for,
+)
 from transformer.data.copy import CopyData
 from transformer.data.sampler import TokenBatchSampler
 from transformer.model import Transformer
@@ -286,7 +302,7 @@ def test_dist_multirun_sweep_gives_each_job_one_run_dir(tmp_path):
     assert jobs == ["0", "1"], files_under(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"], files_under(tmp_path)
     weights = []
-    for job, seed in zip(jobs, (1, 2)):
+    for job, seed in zip(jobs, (1, 2), strict=False):
         run = tmp_path / "sweep" / job
         ck = last_ckpt(run)
         assert ck["trainer"]["step"] == 2 and ck["trainer"]["world_size"] == 2 and ck["config"]["seed"] == seed

@@ -10,15 +10,15 @@ import torch
 import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
+from tests.helpers.cli import free_port
 from tests.helpers.data import MULTI30K, needs_multi30k
 from tests.helpers.models import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
-from transformer.training.checkpoint import atomic_save
+from transformer.cli.evaluate import main
 from transformer.config import EvalConfig
 from transformer.data.copy import CopyTokenizer
 from transformer.dist import DistEnv
-from tests.helpers.cli import free_port
-from transformer.cli.evaluate import main
 from transformer.tasks.translation import valid_bleu
+from transformer.training.checkpoint import atomic_save
 
 
 def write_pair(folder: Path, n: int, seed: int):
@@ -138,11 +138,11 @@ def test_valid_bleu_sharded_over_two_ranks_matches_one_process(tmp_path):
 @needs_multi30k
 def test_multi30k_split_via_data_root(tmp_path, capsys):
     """A spaCy-vocabulary model (untrained) evaluated on test_2016_flickr read through load_split."""
+    from tests.helpers.models import full_config
+    from transformer.config import ModelConfig
     from transformer.data.corpus import read_lines
     from transformer.data.tokenizer import SpacyTokenizer
     from transformer.model import Transformer
-    from transformer.config import ModelConfig
-    from tests.helpers.models import full_config
     from transformer.training.checkpoint import FORMAT
 
     de = read_lines(MULTI30K / "train.de.gz")[:300]
@@ -151,7 +151,8 @@ def test_multi30k_split_via_data_root(tmp_path, capsys):
     torch.manual_seed(0)
     model = Transformer.from_config(ModelConfig(N=1, d_model=32, d_ff=64, h=2, dropout=0.0), tok.src_vocab_size,
                         tok.tgt_vocab_size)
-    ckpt = {"format": FORMAT, "model_args": model.args.to_dict(), "model": model.state_dict(), "tokenizer": tok.state_dict(),
+    ckpt = {"format": FORMAT, "model_args": model.args.to_dict(), "model": model.state_dict(),
+            "tokenizer": tok.state_dict(),
             "config": full_config(name="multi30k", root="/nonexistent"), "trainer": {"step": 0}}
     atomic_save(ckpt, tmp_path / "m.pt")
     rc = main([str(tmp_path / "m.pt"), "--split", "test_2016_flickr", "--data-root", str(MULTI30K),

@@ -14,8 +14,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_trainer import make_trainer, ragged_pairs
 from transformer.data.batch import PAD, collate
-from transformer.training.hotpath import LaggedFlag, TrainWindow
 from transformer.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
+from transformer.training.hotpath import LaggedFlag, TrainWindow
 from transformer.training.loss import label_smoothed_cross_entropy
 
 aten = torch.ops.aten
@@ -162,7 +162,7 @@ def test_padding_to_a_multiple_changes_neither_loss_nor_gradients(tmp_path):
         grads.append((out.loss, [p.detach().clone() for p in t.model.parameters()]))
     (loss1, w1), (loss8, w8) = grads
     assert torch.allclose(loss1, loss8, rtol=1e-5)
-    for a, b in zip(w1, w8):
+    for a, b in zip(w1, w8, strict=False):
         assert torch.allclose(a, b, atol=1e-6)
 
 
@@ -179,6 +179,6 @@ def test_activation_checkpointing_gives_the_same_gradients(tmp_path):
         runs.append((loss.detach(), [p.grad.clone() for p in t.model.parameters()], t.model.state_dict().keys()))
     (l0, g0, k0), (l1, g1, k1) = runs
     assert torch.equal(l0, l1) and k0 == k1  # parameter names (and so checkpoints) unchanged
-    for a, b in zip(g0, g1):
+    for a, b in zip(g0, g1, strict=False):
         assert torch.allclose(a, b, atol=1e-7)
     assert np.isfinite(l0.item())

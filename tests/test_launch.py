@@ -21,7 +21,7 @@ TORCHRUN = Path(sys.executable).with_name("torchrun")
 
 SLURM_KEYS = [k for k in os.environ if k.startswith(("SLURM_", "PET_", "TORCHELASTIC_"))] + [
     "NNODES", "NPROC", "RDZV_ENDPOINT", "RDZV_ID", "RDZV_PORT", "RDZV_CONF", "MAX_RESTARTS",
-    "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "DRY_RUN", "TORCHRUN", "RUN_DIR", "LAUNCH_DIR"]
+    "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "DRY_RUN", "TORCHRUN", "RUN_DIR", "LAUNCH_DIR", "LOCAL_ADDR"]
 
 
 def clean_env(**extra) -> dict:
@@ -123,6 +123,17 @@ def test_multi_node_from_flags():
                    "--rdzv-endpoint=head:29400", "--rdzv-id=run7", "--max-restarts=5",
                    "-m", "transformer.train", "model=big", "--cfg", "job"]
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+
+
+def test_multi_node_local_addr_from_flag_or_env():
+    _, words = dry_run(LAUNCH / "multi_node.sh", "--nnodes=2", "--rdzv-endpoint=h:1", "--rdzv-id=a",
+                       "--local-addr", "10.1.2.3", "x=1")
+    assert words[-4:] == ["--local-addr=10.1.2.3", "-m", "transformer.train", "x=1"]
+    _, words = dry_run(LAUNCH / "multi_node.sh", "--nnodes=2", "--rdzv-endpoint=h:1", "--rdzv-id=a",
+                       LOCAL_ADDR="127.0.0.1")
+    assert "--local-addr=127.0.0.1" in words
+    _, words = dry_run(LAUNCH / "multi_node.sh", "--nnodes=2", "--rdzv-endpoint=h:1", "--rdzv-id=a")
+    assert not any(w.startswith("--local-addr") for w in words)
 
 
 def test_multi_node_from_slurm(fake_bin, tmp_path):

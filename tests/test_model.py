@@ -5,8 +5,8 @@ import torch
 
 from transformer.config import ModelConfig
 from transformer.data.batch import PAD
-from transformer.model.layers import MultiHeadAttention
 from transformer.model import ModelArgs, Transformer
+from transformer.model.layers import MultiHeadAttention
 
 
 def make_model(norm_first=False, tie="decoder", V=23, shared=True):

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from tests.helpers.models import copy_checkpoint, one_thread  # noqa: F401
-from transformer.training.checkpoint import atomic_save
+from transformer.cli.plot import main
 from transformer.config import EvalConfig, ModelConfig
 from transformer.data.copy import CopyTokenizer
 from transformer.model import Transformer
-from transformer.cli.plot import main
+from transformer.training.checkpoint import atomic_save
 from transformer.training.plots import attention_maps, log_figures, read_metrics, series
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -72,6 +72,7 @@ def test_attention_maps_are_distributions_of_the_right_shape(run_dir):
 
 def test_log_figures_adds_images_to_tensorboard(run_dir, tmp_path):
     from torch.utils.tensorboard import SummaryWriter
+
     from transformer.training.plots import read_metrics as rm
 
     writer = SummaryWriter(str(tmp_path / "tb"))
@@ -98,6 +99,7 @@ def test_deep_model_keeps_few_figures_open(run_dir, tmp_path, monkeypatch):
     """27 figures for an 8-layer model: drawn one at a time, so matplotlib never warns about >20 open
     figures and nothing stays open afterwards (the trainer draws these at the end of every run)."""
     import matplotlib.pyplot as plt
+
     from transformer.training import plots
 
     most_open = []

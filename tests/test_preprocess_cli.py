@@ -3,9 +3,9 @@ the same training, step for step, as preprocessing on the fly."""
 import sys
 
 import pytest
-from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, write_corpus
 
 from tests.helpers.cli import train_cmd
+from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, write_corpus
 from tests.helpers.dist import assert_same_state, assert_same_weights, last_ckpt, run_cli
 from transformer.data.store import MANIFEST, Preprocessed
 

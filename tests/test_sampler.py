@@ -42,8 +42,8 @@ def test_ranks_interleave_one_global_batch_list():
     full = TokenBatchSampler(src, tgt, 400, seed=5, world_size=2).epoch_batches(0)
     r0 = TokenBatchSampler(src, tgt, 400, seed=5, rank=0, world_size=2).rank_batches(0)
     r1 = TokenBatchSampler(src, tgt, 400, seed=5, rank=1, world_size=2).rank_batches(0)
-    assert all(np.array_equal(a, b) for a, b in zip(full[0::2], r0))
-    assert all(np.array_equal(a, b) for a, b in zip(full[1::2], r1))
+    assert all(np.array_equal(a, b) for a, b in zip(full[0::2], r0, strict=True))
+    assert all(np.array_equal(a, b) for a, b in zip(full[1::2], r1, strict=True))
 
 
 def test_resume_yields_the_identical_remaining_batches():
@@ -52,14 +52,15 @@ def test_resume_yields_the_identical_remaining_batches():
         whole = TokenBatchSampler(src, tgt, 300, seed=1, rank=rank, world_size=2).rank_batches(4)
         resumed = TokenBatchSampler(src, tgt, 300, seed=1, rank=rank, world_size=2).rank_batches(4, start=5)
         assert len(resumed) == len(whole) - 5
-        assert all(np.array_equal(a, b) for a, b in zip(whole[5:], resumed))
+        assert all(np.array_equal(a, b) for a, b in zip(whole[5:], resumed, strict=True))
 
 
 def test_deterministic_given_seed_epoch_world_size():
     src, tgt = _sizes()
 
     def batches(seed, epoch, world_size):
-        return [b.tolist() for b in TokenBatchSampler(src, tgt, 300, seed=seed, world_size=world_size).epoch_batches(epoch)]
+        sampler = TokenBatchSampler(src, tgt, 300, seed=seed, world_size=world_size)
+        return [b.tolist() for b in sampler.epoch_batches(epoch)]
 
     assert batches(1, 2, 2) == batches(1, 2, 2)
     assert batches(1, 2, 2) != batches(1, 3, 2)  # a new order every epoch
@@ -148,7 +149,7 @@ def test_vectorised_plan_equals_the_loop(max_tokens, max_sentences, world_size, 
         ours = TokenBatchSampler(src, tgt, max_tokens, max_sentences, seed=9, world_size=world_size,
                                  shuffle=shuffle).epoch_batches(epoch)
         ref = _loop_batches(src, tgt, max_tokens, max_sentences, 9, epoch, world_size, shuffle)
-        assert len(ours) == len(ref) and all(np.array_equal(a, b) for a, b in zip(ours, ref))
+        assert len(ours) == len(ref) and all(np.array_equal(a, b) for a, b in zip(ours, ref, strict=False))
 
 
 def test_memory_mapped_dataset_pickles_as_paths(tmp_path):

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from tests.helpers.cli import compose_cfg
-from transformer.training.checkpoint import CheckpointError, Checkpointer, atomic_save, load_checkpoint, load_model
 from transformer.data.batch import PairDataset, Ragged, collate
 from transformer.data.copy import CopyData
 from transformer.dist import DistEnv
 from transformer.model import Transformer
 from transformer.tasks import build_task
+from transformer.training.checkpoint import Checkpointer, CheckpointError, atomic_save, load_checkpoint, load_model
 from transformer.training.trainer import Trainer
 
 SMALL = ["experiment=copy", "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2",
@@ -43,11 +43,11 @@ def test_accumulation_equals_one_big_batch(tmp_path):
     for _ in range(3):
         big._optimizer_step([collate(items)])
         acc._optimizer_step([collate(items[:2]), collate(items[2:7]), collate(items[7:])])
-    for (name, a), b in zip(big.model.named_parameters(), acc.model.parameters()):
+    for (name, a), b in zip(big.model.named_parameters(), acc.model.parameters(), strict=False):
         assert torch.allclose(a, b, atol=1e-6, rtol=0), name
     # And the test can fail: a different split normalised per micro-batch would not match.
     assert any(not torch.equal(a, b) for a, b in zip(big.model.parameters(), make_trainer(
-        tmp_path / "c", seed_model=1).model.parameters()))
+        tmp_path / "c", seed_model=1).model.parameters(), strict=False))
 
 
 def test_checkpoint_round_trip_gives_identical_next_step(tmp_path):
@@ -66,7 +66,7 @@ def test_checkpoint_round_trip_gives_identical_next_step(tmp_path):
     torch.set_rng_state(ckpt["rng"][0]["cpu"])  # both trainers share this process's RNG: rewind for t2
     out2 = t2._optimizer_step([batches[3]])
     assert out1[1] == out2[1]  # the same loss, bit for bit (dropout RNG restored)
-    for a, b in zip(t1.model.parameters(), t2.model.parameters()):
+    for a, b in zip(t1.model.parameters(), t2.model.parameters(), strict=False):
         assert torch.equal(a, b)
 
 
@@ -89,7 +89,8 @@ class Evil:
 def test_checkpoint_with_pickled_object_is_refused(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"format": "transformer-checkpoint/1", "payload": Evil()}, path)
-    with pytest.raises(CheckpointError, match="not a checkpoint written by transformer-train, or a file holding executable pickled objects: refused") as e:
+    refused = "not a checkpoint written by transformer-train, or a file holding executable pickled objects: refused"
+    with pytest.raises(CheckpointError, match=refused) as e:
         load_checkpoint(path)
     assert "weights_only" not in str(e.value)  # no advice to take the unsafe step
 

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.models import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
-from transformer.training.checkpoint import atomic_save
+from transformer.cli.translate import main
 from transformer.config import EvalConfig
 from transformer.data.copy import CopyTokenizer
 from transformer.decoding import translate_sentences
-from transformer.cli.translate import main
+from transformer.training.checkpoint import atomic_save
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -8,8 +8,9 @@ the checkpoints, downloads and outputs of a run.
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Iterator, Optional
+from typing import IO
 
 
 def _umask() -> int:
@@ -41,7 +42,7 @@ def fsync_dir(folder) -> None:
 
 
 @contextlib.contextmanager
-def atomic_open(path, mode: str = "wb", suffix: str = ".tmp", encoding: Optional[str] = None) -> Iterator[IO]:
+def atomic_open(path, mode: str = "wb", suffix: str = ".tmp", encoding: str | None = None) -> Iterator[IO]:
     """`with atomic_open(path) as f: ...` writes `path` only if the block completes; an exception
     inside it (a failed checksum, say) leaves `path` untouched and no temporary file behind."""
     path = Path(path)

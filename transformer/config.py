@@ -14,7 +14,6 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from transformer.data.config import DataConfig, TokenizerConfig
 
-
 # An absolute path: Hydra reads a relative config_path as a Python package, which fails outside the repository.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 TIE_EMBEDDINGS = ("none", "decoder", "all")

@@ -4,10 +4,10 @@ import hashlib
 import http.server
 import os
 import threading
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
 
 import pytest
 import torch
@@ -79,8 +79,8 @@ class FakeEnv:
     rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
-    from_rank0: Optional[object] = None  # what broadcast_object returns on ranks > 0
-    events: List[str] = field(default_factory=list)
+    from_rank0: object | None = None  # what broadcast_object returns on ranks > 0
+    events: list[str] = field(default_factory=list)
 
     @property
     def is_main(self) -> bool:
@@ -168,7 +168,7 @@ class _RangeHandler(http.server.BaseHTTPRequestHandler):
 
 
 @contextmanager
-def serve_ranges(folder: Path, cut: Optional[dict] = None):
+def serve_ranges(folder: Path, cut: dict | None = None):
     """Like `serve`, for resumable downloads: yields (base url, list of (path, Range header))."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _RangeHandler)
     server.folder, server.cut, server.requests = str(folder), dict(cut or {}), []

@@ -7,6 +7,7 @@ import torch
 from transformer.config import EvalConfig
 from transformer.decoding import beam_search, greedy_search
 
+
 class PrefixCache:
     """Stands in for `DecoderCache`: keeps the tokens decoded so far and the encoder output instead of
     keys/values, so every step re-runs the decoder over the whole prefix."""

@@ -76,7 +76,7 @@ def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
         if atol == 0:
             assert torch.equal(ta, tb), f"{k} differs: max |diff| {(ta - tb).abs().max().item():.3g}"
         else:
-            torch.testing.assert_close(ta, tb, atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
+            torch.testing.assert_close(ta, tb, atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def assert_same_state(a: dict, b: dict) -> None:
@@ -90,7 +90,7 @@ def assert_same_state(a: dict, b: dict) -> None:
     for i in sa:
         for name, v in sa[i].items():
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb[i][name])), f"optimizer state {i}.{name}"
-    for ra, rb in zip(a["rng"], b["rng"]):
+    for ra, rb in zip(a["rng"], b["rng"], strict=False):
         assert torch.equal(ra["cpu"], rb["cpu"]), "RNG states differ"
 
 
@@ -172,7 +172,7 @@ def finish(proc: subprocess.Popen, timeout: float = TIMEOUT) -> str:
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
         _, err = proc.communicate()
-        raise AssertionError(f"hung: killed after {timeout}s\n{err[-6000:]}")
+        raise AssertionError(f"hung: killed after {timeout}s\n{err[-6000:]}") from None
 
 
 def kill_tree(pid: int) -> None:

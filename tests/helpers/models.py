@@ -26,7 +26,7 @@ def random_copy_items(n: int, seed: int, min_len: int = 1, max_len: int = 8):
     return items
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def copy_model() -> Transformer:
     """A 1-layer model trained for a few seconds to copy sequences of 1-8 symbols (variable length, so
     it has to learn where </s> goes). Cached: every test module shares one training run."""

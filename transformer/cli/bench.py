@@ -14,9 +14,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer.training.checkpoint import CheckpointError
 from transformer.config import register_configs
 from transformer.data.download import DownloadError
+from transformer.training.checkpoint import CheckpointError
 
 BAD_INPUT = (ValueError, CheckpointError, FileNotFoundError, DownloadError)  # ConfigError is a ValueError
 CONF = str(Path(__file__).resolve().parents[2] / "conf")  # absolute: a relative path would name a package

@@ -63,7 +63,8 @@ def eval_config(args: argparse.Namespace, ckpt: dict) -> EvalConfig:
     except ConfigError as e:  # ".beam=0: must be >= 1" -> "--beam 0: must be >= 1"
         name, _, rest = str(e).partition("=")
         value, _, why = rest.partition(": ")
-        raise UsageError(f"--{name.lstrip('.').replace('_', '-')} {value}: {why.replace('=', ' ').replace(' .', ' --')}") from None
+        flag = "--" + name.lstrip(".").replace("_", "-")
+        raise UsageError(f"{flag} {value}: {why.replace('=', ' ').replace(' .', ' --')}") from None
     return ev
 
 

@@ -11,8 +11,8 @@ from typing import List, Optional
 
 from transformer.cli.common import UsageError, run_command
 from transformer.config import eval_from_dict
-from transformer.training.plots import attention_figures, close_figures, curve_figures, read_metrics, save_figures
 from transformer.training.checkpoint import load_model
+from transformer.training.plots import attention_figures, close_figures, curve_figures, read_metrics, save_figures
 
 PROG = "transformer-plot"
 

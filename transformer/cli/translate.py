@@ -61,7 +61,7 @@ def translate_stream(model, tokenizer, cfg: EvalConfig, device, src: BinaryIO, o
                 print(f"{PROG}: warning: {src_name}, line {done + i + 1}: {len(ids[k])} source tokens, truncated to "
                       f"{max_source_tokens} (--max-source-tokens)", file=sys.stderr)
                 ids[k] = ids[k][:max_source_tokens]
-        by_line = dict(zip(keep, translate_ids(model, tokenizer, ids, cfg, device)))
+        by_line = dict(zip(keep, translate_ids(model, tokenizer, ids, cfg, device), strict=False))
         for i in range(len(chunk)):
             if i in by_line:
                 out.write("\n".join(format_output(by_line[i], done + i, cfg.nbest)) + "\n")

@@ -44,7 +44,8 @@ class DataConfig:
     max_len: int = 256  # tokens per side, after tokenisation
     bad_pairs: str = "skip"  # skip (logged count) | error (names the file and line): empty or over-length pairs
     num_workers: Optional[int] = None  # DataLoader workers; None = 2 on GPU, 0 on CPU
-    cache_dir: Optional[str] = None  # preprocessed ids, keyed by a hash of data + tokenizer config; None = <user cache dir>/transformer/cache
+    # Preprocessed ids, keyed by a hash of data + tokenizer config; None = <user cache dir>/transformer/cache
+    cache_dir: Optional[str] = None
     # A folder made by transformer-preprocess: train from it (memory-mapped; every node must see it) instead of
     # preprocessing data.* on the fly. Its tokenizer and filtering were fixed when it was made.
     preprocessed: Optional[str] = None

@@ -110,7 +110,7 @@ def count_pairs(src_path: Path, tgt_path: Path) -> int:
 
 def iter_pairs(src_path: Path, tgt_path: Path, chunk: int) -> Iterator[Tuple[List[str], List[str]]]:
     """(source lines, target lines) chunks of `chunk` aligned pairs, in file order."""
-    for s, t in zip(iter_lines(src_path, chunk), iter_lines(tgt_path, chunk)):
+    for s, t in zip(iter_lines(src_path, chunk), iter_lines(tgt_path, chunk), strict=False):
         if len(s) != len(t):  # only where the files changed since count_pairs checked them
             raise _mismatch(src_path, count_lines(src_path), tgt_path, count_lines(tgt_path))
         yield s, t

@@ -198,7 +198,7 @@ class _Run:
         with self.bar(n, name) as bar:
             for (line, src, tgt), results in self.pool.map(encode_pair_chunk, tasks):
                 ids = {}
-                for side, res in zip(SIDES, results):
+                for side, res in zip(SIDES, results, strict=False):
                     ids[side] = (strings_to_ids(vocabs[side], res[0], res[1]), res[2]) if len(res) == 4 else res
                 keep = self.filter(name, line, ids["src"][1], ids["tgt"][1], stats)
                 for side in SIDES:
@@ -222,7 +222,7 @@ class _Run:
         tasks = (((line, len(src)), (*self.specs(None), src, tgt)) for line, src, tgt in self.chunks("train"))
         with self.bar(n, "train (spaCy)") as bar:
             for (line, pairs), results in self.pool.map(encode_pair_chunk, tasks):
-                for side, (strings, local, lengths, nospace) in zip(SIDES, results):
+                for side, (strings, local, lengths, nospace) in zip(SIDES, results, strict=False):
                     spill[f"{side}.ids"].write(counters[side].add(strings, local, lengths, nospace).tobytes())
                     spill[f"{side}.lengths"].write(lengths.tobytes())
                     spill[f"{side}.nospace"].write(nospace.tobytes())
@@ -261,7 +261,7 @@ class _Run:
                 yield np.asarray(ids[lo:hi]), lengths[a:b], np.asarray(nospace[lo:hi]), keep[a:b]
 
 
-def preprocess(cfg, sources: Dict[str, Tuple[Path, Path]], out_dir: Path, opts: Options = Options(), *,
+def preprocess(cfg, sources: Dict[str, Tuple[Path, Path]], out_dir: Path, opts: Optional[Options] = None, *,
                tokenizer_state: Optional[dict] = None, info: Optional[dict] = None) -> Path:
     """Writes the folder `out_dir` from `sources` {"train": (src, tgt), "valid": (src, tgt)} under `cfg`'s data
     and tokenizer settings; with `tokenizer_state`, that tokenizer instead of a new one. `info` goes into the
@@ -270,6 +270,7 @@ def preprocess(cfg, sources: Dict[str, Tuple[Path, Path]], out_dir: Path, opts: 
     check_tokenizer_config(cfg.tokenizer)
     if d.bad_pairs not in ("skip", "error"):
         raise ValueError(f"data.bad_pairs={d.bad_pairs!r}: must be skip or error")
+    opts = opts or Options()
     if opts.workers < 1 or opts.chunk_size < 1:
         raise ValueError(f"preprocess.workers={opts.workers}, preprocess.chunk_size={opts.chunk_size}: must be >= 1")
     t0 = time.time()

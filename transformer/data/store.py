@@ -50,7 +50,7 @@ def array_files(split: str, side: str) -> Tuple[str, str]:
 
 
 def _npy_header(dtype: np.dtype, n: int) -> bytes:
-    d = "{'descr': %r, 'fortran_order': False, 'shape': (%d,), }" % (np.lib.format.dtype_to_descr(dtype), n)
+    d = f"{{'descr': {np.lib.format.dtype_to_descr(dtype)!r}, 'fortran_order': False, 'shape': ({n},), }}"
     body = d.ljust(_HEADER - 10 - 1) + "\n"
     return b"\x93NUMPY\x01\x00" + len(body).to_bytes(2, "little") + body.encode("latin1")
 
@@ -115,7 +115,7 @@ def sha256_file(path: Path) -> str:
 
 def _digests(folder: Path, names: List[str]) -> Dict[str, str]:
     with ThreadPoolExecutor(max_workers=min(4, max(1, len(names)))) as pool:
-        return dict(zip(names, pool.map(lambda n: sha256_file(folder / n), names)))
+        return dict(zip(names, pool.map(lambda n: sha256_file(folder / n), names), strict=False))
 
 
 def _manifest_checksum(manifest: dict) -> str:

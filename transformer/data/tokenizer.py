@@ -53,7 +53,7 @@ class Vocab:
         counts, glue_left, left_seen, glue_right, right_seen = Counter(), Counter(), Counter(), Counter(), Counter()
         sentences = [list(s) for s in sentences]
         spaces = [list(s) for s in spaces]
-        for toks, sp in zip(sentences, spaces):
+        for toks, sp in zip(sentences, spaces, strict=False):
             counts.update(toks)
             for i in range(1, len(toks)):
                 if toks[i - 1] != QUOTE:  # a quote's side is decided by parity, so it says nothing about toks[i]
@@ -62,7 +62,7 @@ class Vocab:
         left = {t for t in left_seen if 2 * glue_left[t] > left_seen[t]}
         # Right-glue is only counted where the right neighbour is not itself a left-gluer, else every word
         # that often precedes "." would learn to glue to whatever follows it.
-        for toks, sp in zip(sentences, spaces):
+        for toks, sp in zip(sentences, spaces, strict=False):
             for i in range(len(toks) - 1):
                 if toks[i + 1] not in left and toks[i + 1] != QUOTE:
                     right_seen[toks[i]] += 1
@@ -177,7 +177,7 @@ class SpacyTokenizer:
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         for lang, vocab in ((self.src_lang, self.src_vocab), (self.tgt_lang, self.tgt_vocab)):
-            lines = [f"{t}\t{_flag_name(f)}" for t, f in zip(vocab.itos, vocab.flags)]
+            lines = [f"{t}\t{_flag_name(f)}" for t, f in zip(vocab.itos, vocab.flags, strict=False)]
             write_text_atomic(folder / f"vocab.{lang}.txt", "\n".join(lines) + "\n")
         write_text_atomic(folder / "tokenizer.json", json.dumps(self.state_dict(), ensure_ascii=False) + "\n")
 

@@ -149,7 +149,8 @@ def _clean_train(folder: Path, d, progress: bool) -> dict:
             with tqdm(total=n, unit=" pairs", unit_scale=True, desc=f"cleaning {name}", disable=not progress,
                       leave=False, mininterval=1.0) as bar:
                 for src, tgt in iter_pairs(de, en, 100_000):
-                    pairs = [p for p in (clean_pair(s, t, c.max_words, c.max_ratio) for s, t in zip(src, tgt)) if p]
+                    cleaned = (clean_pair(s, t, c.max_words, c.max_ratio) for s, t in zip(src, tgt, strict=False))
+                    pairs = [p for p in cleaned if p]
                     out_de.write("".join(p[0] + "\n" for p in pairs))
                     out_en.write("".join(p[1] + "\n" for p in pairs))
                     kept += len(pairs)
@@ -171,8 +172,9 @@ def prepare_wmt14(d, progress: bool = True) -> Path:
     done = folder / PREPARED
     if done.is_file():
         prepared = json.loads(done.read_text())
-        if prepared.get("clean") == settings and all(
-                (folder / n).is_file() and (folder / n).stat().st_size == f["bytes"] for n, f in prepared["files"].items()):
+        intact = all((folder / n).is_file() and (folder / n).stat().st_size == f["bytes"]
+                     for n, f in prepared["files"].items())
+        if prepared.get("clean") == settings and intact:
             return folder
         done.unlink()  # other cleaning settings, or files changed: prepare again from the raw files
         for name in ("train.de", "train.en"):

@@ -53,7 +53,7 @@ def translate_ids(model, tokenizer, ids: Sequence[Sequence[int]], ev, device="cp
     out: List[Optional[List[Hypothesis]]] = [None] * len(ids)
     for batch in length_batches([len(x) + 1 for x in ids], ev.batch_tokens):
         src = encode_batch([ids[i] for i in batch], device)
-        for i, nbest in zip(batch, search(model, src, ev, stop_at_eos, model.args.max_positions)):
+        for i, nbest in zip(batch, search(model, src, ev, stop_at_eos, model.args.max_positions), strict=False):
             for h in nbest:
                 h.text = tokenizer.decode_tgt(h.tokens)
             out[i] = nbest

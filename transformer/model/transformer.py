@@ -138,7 +138,7 @@ class Transformer(nn.Module):
         else:
             cross_kv, self_caches, src_mask = cache.cross_kv, cache.self_attn, cache.src_mask
         x = self.tgt_embed(tgt_in, offset=cache.length if cache is not None else 0)
-        for layer, kv, layer_cache in zip(self.decoder, cross_kv, self_caches):
+        for layer, kv, layer_cache in zip(self.decoder, cross_kv, self_caches, strict=False):
             x = layer(x, kv, src_mask, cache=layer_cache)
         return self.generator(self.dec_norm(x))  # (B, T, V)
 

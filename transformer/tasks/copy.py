@@ -20,7 +20,7 @@ def copy_accuracy(model, dataset: PairDataset, env, batch_size: int = 250) -> fl
     for i in range(0, len(idx), batch_size):
         items = [dataset[j] for j in idx[i:i + batch_size]]
         hyps = greedy_decode(model, collate(items).src.to(env.device), MAX_LEN_A, MAX_LEN_B)
-        correct += sum(int(hyp == tgt.tolist()) for (_, _, tgt), hyp in zip(items, hyps))
+        correct += sum(int(hyp == tgt.tolist()) for (_, _, tgt), hyp in zip(items, hyps, strict=False))
     correct, total = env.all_reduce_sum([correct, len(idx)])
     return correct / max(total, 1)
 

@@ -19,7 +19,7 @@ def valid_bleu(model, data, env, ev) -> Dict[str, float]:
     n = len(srcs) if ev.bleu_sentences is None else min(len(srcs), int(ev.bleu_sentences))
     mine = list(range(env.rank, n, env.world_size))
     hyps = translate_sentences(model, data.tokenizer, [srcs[i] for i in mine], ev, env.device)
-    gathered = env.gather_objects([(i, h[0].text) for i, h in zip(mine, hyps)])
+    gathered = env.gather_objects([(i, h[0].text) for i, h in zip(mine, hyps, strict=False)])
     result = None
     if env.is_main:
         texts = [""] * n

@@ -14,15 +14,15 @@ import resource
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
 from transformer import dist
-from transformer.training import speedups
 from transformer.config import ConfigError, validate
 from transformer.data.batch import PAD
 from transformer.model.flops import step_flops
+from transformer.training import speedups
 from transformer.training.hotpath import LaggedFlag, StepTimer, TrainWindow
 from transformer.training.logs import Progress, setup_logging
 

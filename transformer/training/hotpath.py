@@ -66,7 +66,7 @@ class TrainWindow:
         if grad_norm is not None:
             parts.append(grad_norm.detach().to(parts[0].device, torch.float64).view(1))
         values = torch.cat(parts).tolist()
-        out = dict(zip(("tokens", "loss", "nll", "grad_norm"), values))
+        out = dict(zip(("tokens", "loss", "nll", "grad_norm"), values, strict=False))
         out.update(steps=self.steps, elapsed=time.time() - self.time)  # after the copy: the GPU caught up
         return out
 
@@ -134,7 +134,7 @@ class StepTimer:
             torch.cuda.synchronize()
         totals: Dict[str, float] = {}
         for marks in self.steps:
-            for (_, a), (phase, b) in zip(marks, marks[1:]):
+            for (_, a), (phase, b) in zip(marks, marks[1:], strict=False):
                 ms = a.elapsed_time(b) if self.cuda else 1e3 * (b - a)
                 totals[phase] = totals.get(phase, 0.0) + ms
         n = max(len(self.steps), 1)

@@ -13,7 +13,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -22,7 +21,7 @@ from transformer.dist import get_env, rank_zero
 log = logging.getLogger("transformer")
 
 
-def setup_logging(run_dir: Optional[Path]) -> None:
+def setup_logging(run_dir: Path | None) -> None:
     env = get_env()
     root = logging.getLogger()
     for h in list(root.handlers):
@@ -69,7 +68,7 @@ def gpu_stats(device: torch.device) -> dict:
 class MetricsLogger:
     """Rank 0 writes every event to metrics.jsonl (one JSON object a line) and TensorBoard; others do nothing."""
 
-    def __init__(self, run_dir: Optional[Path], tensorboard: bool = True):
+    def __init__(self, run_dir: Path | None, tensorboard: bool = True):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.file = None
         self.writer = None
@@ -122,7 +121,7 @@ def _fmt(v) -> str:
 class Progress:
     """A tqdm bar on rank 0 (step, loss, lr, tokens/s, ETA); nothing on other ranks."""
 
-    def __init__(self, total: Optional[int], initial: int, enabled: bool):
+    def __init__(self, total: int | None, initial: int, enabled: bool):
         self.bar = None
         self._open(total, initial, enabled)
 

@@ -7,14 +7,13 @@ differ by the entropy of q, a constant, so the gradients differ only through the
 with V = 10,000 that is a relative change of 1e-4 in each smoothing weight. Reported loss values are
 cross-entropy (not KL) so they are comparable to fairseq's.
 """
-from typing import Tuple
 
 import torch
 import torch.nn.functional as F
 
 
 def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, epsilon: float,
-                                 pad_id: int) -> Tuple[torch.Tensor, torch.Tensor]:
+                                 pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, T, V), target (B, T) -> (smoothed loss, plain NLL), each summed over non-pad targets.
 
     Summed, not averaged: the trainer divides by the token count of the whole optimiser step

@@ -95,7 +95,8 @@ def time_figure(records):
     lines = []
     for label, key, scale in (("val BLEU", "val_bleu", 1), ("val accuracy (%)", "val_accuracy", 100)):
         steps, values = series(records, "valid", key)
-        points = [(by_step[s], v * scale) for s, v in zip(steps, values) if isinstance(by_step.get(s), (int, float))]
+        points = [(by_step[s], v * scale) for s, v in zip(steps, values, strict=False)
+                  if isinstance(by_step.get(s), (int, float))]
         lines.append((label, [m for m, _ in points], [v for _, v in points], "o-"))
     return _figure("Time to quality", "score", lines, xlabel="wall minutes")
 
@@ -208,7 +209,8 @@ def log_figures(writer, records: Optional[Sequence[dict]] = None, run_dir=None, 
                 model=None, tokenizer=None, sentence: Optional[str] = None, step: Optional[int] = None,
                 ev=None) -> List[str]:
     """Adds the curve figures (from `records`, or RUN_DIR/metrics.jsonl) and, with model, tokenizer and
-    sentence (and `ev`, the EvalConfig bounding its translation), the attention maps to a TensorBoard SummaryWriter as images under "plots/NAME". Returns
+    sentence (and `ev`, the EvalConfig bounding its translation), the attention maps to a TensorBoard
+    SummaryWriter as images under "plots/NAME". Returns
     the tags written. Call on rank 0 only."""
     if records is None and run_dir is not None and (Path(run_dir) / "metrics.jsonl").is_file():
         records = read_metrics(Path(run_dir) / "metrics.jsonl")

@@ -18,9 +18,15 @@ from transformer.config import to_container
 from transformer.dist import DistEnv, rank_zero
 from transformer.specials import PAD
 from transformer.tasks import Task
-from transformer.training.checkpoint import (FORMAT, Checkpointer, CheckpointError, atomic_link, atomic_save,
-                                             load_checkpoint)
 from transformer.training import speedups
+from transformer.training.checkpoint import (
+    FORMAT,
+    Checkpointer,
+    CheckpointError,
+    atomic_link,
+    atomic_save,
+    load_checkpoint,
+)
 from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
@@ -249,7 +255,8 @@ class Trainer:
         if self.timer is not None:
             self.timer.mark("forward_backward")
         # Token count, loss sums and the stop flag travel in one tensor and one all-reduce.
-        stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, self.stop_signal is not None))
+        stop = self.stop_signal is not None
+        stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, stop))
         if self.timer is not None:
             self.timer.mark("communication")
         self.scaler.unscale_(self.optimizer)
@@ -295,8 +302,8 @@ class Trainer:
                    else contextlib.nullcontext())
             with amp:
                 logits = self.model(batch.src, batch.tgt_in)
-            l, n = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD)
-            sums += torch.stack([l, n]).double()
+            loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD)
+            sums += torch.stack([loss, nll]).double()
             tokens += batch.n_tokens
         loss, nll, tokens = self.env.all_reduce_sum([*sums.tolist(), tokens])
         tokens = max(tokens, 1.0)

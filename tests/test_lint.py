@@ -1,0 +1,68 @@
+"""The lint tier, in the fast tests: shellcheck on every shell script, hadolint on docker/Dockerfile, ruff
+(rules in pyproject.toml) on the package, the tests and the benchmarks. The dev extra installs all three
+next to this interpreter."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.cli import SHELLCHECK
+
+REPO = Path(__file__).resolve().parents[1]
+# Folders that hold no sources of ours (environments, outputs, caches).
+SKIP = {".git", ".venv", "venv", "outputs", "multirun", "build", "dist", ".pytest_cache", ".ruff_cache",
+        "__pycache__", "data", "shared"}
+
+
+def tool(name: str):
+    return shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+
+
+def shell_scripts():
+    """Every *.sh and *.sbatch file, and every file whose first line is a bash or sh shebang."""
+    found = []
+    for path in sorted(REPO.rglob("*")):
+        rel = path.relative_to(REPO)
+        if not path.is_file() or SKIP.intersection(rel.parts):
+            continue
+        if path.suffix in (".sh", ".sbatch"):
+            found.append(path)
+            continue
+        try:
+            with path.open("rb") as f:
+                first = f.readline(100)
+        except OSError:
+            continue
+        if first.startswith(b"#!") and (first.rstrip().endswith((b"bash", b"/sh"))):
+            found.append(path)
+    return found
+
+
+def test_finds_the_scripts():
+    names = {str(p.relative_to(REPO)) for p in shell_scripts()}
+    assert {".ci/run", "launch/slurm.sbatch", "launch/common.sh", "launch/ci/run-slurm-tier.sh",
+            "launch/ci/tier-lib.sh", "docker/ci/run-docker-tier.sh"} <= names, names
+
+
+@pytest.mark.skipif(SHELLCHECK is None, reason="shellcheck not installed (pip install -e '.[dev]')")
+def test_shellcheck_every_script():
+    scripts = [str(p.relative_to(REPO)) for p in shell_scripts()]
+    res = subprocess.run([SHELLCHECK, "-x", *scripts], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-6000:]
+
+
+@pytest.mark.skipif(tool("hadolint") is None, reason="hadolint not installed (pip install -e '.[dev]')")
+def test_hadolint_dockerfile():
+    res = subprocess.run([tool("hadolint"), "--no-color", "docker/Dockerfile"], cwd=REPO, capture_output=True,
+                         text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+@pytest.mark.skipif(tool("ruff") is None, reason="ruff not installed (pip install -e '.[dev]')")
+def test_ruff():
+    res = subprocess.run([tool("ruff"), "check", "--no-cache", "--output-format", "concise",
+                          "transformer", "tests", "benchmarks"], cwd=REPO, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr
