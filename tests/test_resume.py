@@ -57,6 +57,17 @@ def test_resume_single_worker_is_bit_exact(tmp_path, ref_one, cut):
     assert_same_state(last_ckpt(run), ref)
 
 
+def test_resume_with_a_weight_average_is_bit_exact(tmp_path):
+    """trainer.ema_decay: the average is in the checkpoint and continues exactly; validation scored it."""
+    ema = (*ONE, "trainer.ema_decay=0.9")
+    ref = tmp_path / "ref"
+    train(ref / "run", *ema, cwd=ref.mkdir() or ref)
+    run = resumed(tmp_path, ema, 4)
+    a, b = last_ckpt(run), last_ckpt(ref / "run")
+    assert b["ema"]["updates"] == 9
+    assert_same_state(a, b)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("cut", [4, 3], ids=["mid_epoch", "epoch_boundary"])
 def test_resume_two_workers_is_bit_exact(tmp_path, ref_two, cut):

@@ -92,6 +92,11 @@ def assert_same_state(a: dict, b: dict) -> None:
             assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb[i][name])), f"optimizer state {i}.{name}"
     for ra, rb in zip(a["rng"], b["rng"], strict=False):
         assert torch.equal(ra["cpu"], rb["cpu"]), "RNG states differ"
+    assert ("ema" in a) == ("ema" in b)
+    if "ema" in a:  # trainer.ema_decay: the weight average and its step count
+        assert a["ema"]["updates"] == b["ema"]["updates"]
+        for k, v in a["ema"]["shadow"].items():
+            assert torch.equal(v, b["ema"]["shadow"][k]), f"weight average {k} differs"
 
 
 # ---- processes -------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import List, Sequence
 
 import torch
 
-from transformer.training.checkpoint import FORMAT, STEP_FILE, load_checkpoint
+from transformer.training.checkpoint import FORMAT, STEP_FILE, load_checkpoint, model_weights
 
 
 class AverageError(ValueError):
@@ -41,7 +41,7 @@ def average_checkpoints(paths: Sequence[Path]) -> dict:
     first, total, count = None, None, len(paths)
     for path in paths:
         ckpt = load_checkpoint(path)
-        state = ckpt["model"]
+        state = model_weights(ckpt)  # a run's weight average, where it kept one
         if first is None:
             first = ckpt
             total = {k: v.to(torch.float64) if v.is_floating_point() else v.to(torch.int64).clone()

@@ -70,6 +70,15 @@ def load_checkpoint(path, map_location="cpu") -> dict:
     return ckpt
 
 
+def model_weights(ckpt: dict) -> dict:
+    """The weights a checkpoint's model is used with: the weight average of a run with trainer.ema_decay (the
+    weights its validation scored, and so chose best.pt by), else the trained weights."""
+    if "ema" not in ckpt:
+        return ckpt["model"]
+    return {k: ckpt["ema"]["shadow"][k].to(v.dtype) if k in ckpt["ema"]["shadow"] else v
+            for k, v in ckpt["model"].items()}
+
+
 def load_model(path, device="cpu"):
     """(model in eval mode, tokenizer, checkpoint dict) from a checkpoint file alone: the one loader of every
     command. A file that is not a checkpoint of ours, or whose weights do not fit its `model_args`, raises
@@ -81,7 +90,7 @@ def load_model(path, device="cpu"):
     try:
         tokenizer = tokenizer_from_state(ckpt["tokenizer"])
         model = Transformer(ModelArgs.from_dict(ckpt["model_args"]))
-        model.load_state_dict(ckpt["model"])
+        model.load_state_dict(model_weights(ckpt))
     except (KeyError, TypeError, ValueError, RuntimeError) as e:  # not our layout, or weights that do not fit
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{path}: broken checkpoint ({type(e).__name__}: {first})") from None

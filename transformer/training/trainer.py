@@ -26,7 +26,9 @@ from transformer.training.checkpoint import (
     atomic_link,
     atomic_save,
     load_checkpoint,
+    model_weights,
 )
+from transformer.training.ema import EMA
 from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
@@ -71,6 +73,7 @@ class Trainer:
         self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
         self.clock, self.quality = RunClock(), TimeToQuality(task.metrics().values())
+        self.ema = EMA(self.model, self.tcfg.ema_decay) if self.tcfg.ema_decay > 0 else None
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
         self.metrics = MetricsLogger(run_dir)
 
@@ -93,6 +96,7 @@ class Trainer:
                         "world_size": self.env.world_size, "metric": self.metric.name,
                         "clock": self.clock.state_dict(), "time_to_quality": self.quality.state_dict()},
             "rng": rngs,
+            **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
             "tokenizer": self.data.tokenizer.state_dict(),
             "config": to_container(self.cfg),
         }
@@ -110,6 +114,11 @@ class Trainer:
         self.scaler.load_state_dict(ckpt["scaler"])
         self.step, self.epoch, self.batch_index = t["step"], t["epoch"], t["batch_index"]
         self.best, self.bad_validations = t["best"], t["bad_validations"]
+        if self.ema is not None:
+            if "ema" not in ckpt:
+                raise CheckpointError(f"{path} holds no weight average but trainer.ema_decay={self.tcfg.ema_decay}: "
+                                      "resume with trainer.ema_decay=0, or start a new run with trainer.init_from")
+            self.ema.load_state_dict(ckpt["ema"])
         self.clock.load_state_dict(t.get("clock", {}))  # absent from checkpoints of earlier versions
         self.quality.load_state_dict(t.get("time_to_quality", {}))
         rng = ckpt["rng"][self.env.rank]
@@ -223,6 +232,8 @@ class Trainer:
         """One optimiser step and its bookkeeping, with no host sync. Returns the step's result and the
         stop flag of the step before (read one step late: transformer/training/hotpath.py), the same on all ranks."""
         result = self._optimizer_step(micro)
+        if self.ema is not None:
+            self.ema.update()
         self.batch_index += len(micro)
         self.step += 1
         window.add(result)
@@ -317,8 +328,9 @@ class Trainer:
         return self._last_val[1]
 
     def scores(self) -> dict:
-        """Validation loss (summed over all ranks' tokens) and the task's decoding scores; collective."""
-        with self._rng_untouched():
+        """Validation loss (summed over all ranks' tokens) and the task's decoding scores, of the weight
+        average when trainer.ema_decay is on; collective."""
+        with self._rng_untouched(), (self.ema.swapped_in() if self.ema is not None else contextlib.nullcontext()):
             values = self.evaluate_loss(self.data.valid_loader())
             values.update(self.task.validate(self.model, self.data, self.env))
         return values
@@ -404,7 +416,7 @@ class Trainer:
         best = self.checkpointer.folder / "best.pt" if self.checkpointer is not None else None
         path = self.env.broadcast_object(str(best) if best is not None and best.is_file() else None)
         if path is not None:
-            self.model.load_state_dict(load_checkpoint(path)["model"])
+            self.model.load_state_dict(model_weights(load_checkpoint(path)))
         values = self.task.test(self.model, self.data, self.env)
         if values:
             self.metrics.log("test", self.step, self.epoch, **values, checkpoint="best" if path else "last")
