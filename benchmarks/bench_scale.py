@@ -9,7 +9,8 @@ words a sentence, as in issue 12), then, with tokenizer=bpe:
 2. the epoch batch plan of all N pairs (TokenBatchSampler.epoch_batches) for 1 and 8 workers;
 3. `transformer-train data.preprocessed=DIR trainer.devices=2 trainer.accelerator=cpu model=tiny`: time from
    start to the first optimiser step, and each rank's RSS (and peak RSS) at that step, against the same run
-   on a 1,000-pair folder with the same vocabulary ("empty data");
+   on a 1,000-pair folder with the same vocabulary ("empty data"), alternated --repeats times; and the data
+   pipeline's own share of that time, measured in one process (open + verify, plan, first batch);
 4. spaCy preprocessing throughput (sentences/s per worker) on a smaller corpus (--spacy-pairs).
 The load average of the machine is printed beside each measurement: other jobs slow everything down.
 """
@@ -118,6 +119,9 @@ def bench_preprocess(data: list, out: Path, workers: int, tokenizer: str, work: 
           f"RSS main process {r['peak_main_mb']:.0f} MB, whole process tree (PSS) {r['peak_tree_mb']:.0f} MB | "
           f"{2 * pairs / r['seconds'] / workers:,.0f} sentences/s per worker | {before} -> {loadavg()}")
     print("   ", r["stdout"].strip().splitlines()[0])
+    for line in r["stderr"].splitlines():  # the phases' own timings
+        if any(k in line for k in ("checked the input", "ready (", "encoded ", "learning BPE")):
+            print("   ", line.strip())
     return m
 
 
@@ -165,7 +169,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
-def bench_training(data: list, folder: Path, work: Path, manifest: dict) -> None:
+def bench_training(data: list, folder: Path, work: Path, manifest: dict, repeats: int) -> None:
     from omegaconf import OmegaConf
 
     from transformer.data.preprocess import Options, preprocess
@@ -178,16 +182,38 @@ def bench_training(data: list, folder: Path, work: Path, manifest: dict) -> None
     empty = preprocess(cfg, {"train": (small / "train.de", small / "train.en"),
                              "valid": (work / "corpus" / "val.de.gz", work / "corpus" / "val.en.gz")},
                        work / "bin-empty", Options(progress=False), tokenizer_state=manifest["tokenizer"])
-    results = {}
-    for name, path in (("empty", empty), ("full", folder)):
-        before = loadavg()
-        results[name] = r = first_step(data, path, work, name)
-        print(f"train from {name} folder, 2 CPU workers: first step {r['seconds']:.1f} s after start | RSS per rank "
-              f"at the first step {', '.join(f'{x:.0f}' for x in r['rss'])} MB (peak so far "
-              f"{', '.join(f'{x:.0f}' for x in r['hwm'])} MB) | {before} -> {loadavg()}")
-    extra = [f - e for f, e in zip(results["full"]["hwm"], results["empty"]["hwm"], strict=False)]
-    print(f"each rank's peak RSS above the empty-data run: {', '.join(f'{x:.0f}' for x in extra)} MB "
-          f"({manifest['splits']['train']['pairs']} pairs)")
+    results = {"empty": [], "full": []}
+    for k in range(repeats):  # alternated, so a change in machine load hits both alike
+        for name, path in (("empty", empty), ("full", folder)):
+            before = loadavg()
+            results[name].append(first_step(data, path, work, f"{name}{k}"))
+            r = results[name][-1]
+            print(f"train from {name} folder, 2 CPU workers: first step {r['seconds']:.1f} s after start | RSS per "
+                  f"rank at the first step {', '.join(f'{x:.0f}' for x in r['rss'])} MB (peak so far "
+                  f"{', '.join(f'{x:.0f}' for x in r['hwm'])} MB) | {before} -> {loadavg()}")
+    extra = [max(f["hwm"][i] for f in results["full"]) - min(e["hwm"][i] for e in results["empty"]) for i in (0, 1)]
+    print(f"each rank's peak RSS above the empty-data run (largest full minus smallest empty): "
+          f"{', '.join(f'{x:.0f}' for x in extra)} MB ({manifest['splits']['train']['pairs']} pairs)")
+
+
+def bench_data_setup(folder: Path) -> None:
+    """The data pipeline's own share of the time to the first step, in one process: open and verify the
+    folder (sha256 of every file, as global rank 0 does), plan the epoch, collate the first batch."""
+    code = ("import sys, time; t0 = time.time(); sys.path.insert(0, sys.argv[1])\n"
+            "from omegaconf import OmegaConf\n"
+            "from transformer.data.config import DataConfig, TokenizerConfig\n"
+            "from transformer.data.translation import build_translation_data\n"
+            "from transformer.dist import DistEnv\n"
+            "cfg = OmegaConf.create({'data': OmegaConf.structured(DataConfig(name='files', preprocessed=sys.argv[2])),"
+            " 'tokenizer': OmegaConf.structured(TokenizerConfig()), 'seed': 1})\n"
+            "t1 = time.time(); dm = build_translation_data(cfg, DistEnv(), None); t2 = time.time()\n"
+            "n = dm.num_train_batches(0); t3 = time.time(); next(iter(dm.train_loader(0))); t4 = time.time()\n"
+            "print(f'{t1 - t0:.1f} {t2 - t1:.1f} {t3 - t2:.2f} {t4 - t3:.3f}')")
+    before = loadavg()
+    out = subprocess.run([sys.executable, "-c", code, str(REPO), str(folder)], capture_output=True, text=True,
+                         check=True).stdout.split()
+    print(f"data setup in one process: imports {out[0]} s, open + verify every sha256 {out[1]} s, epoch plan "
+          f"{out[2]} s, first batch {out[3]} s | {before} -> {loadavg()}")
 
 
 def main() -> None:
@@ -199,6 +225,7 @@ def main() -> None:
     p.add_argument("--work", help="working folder (default: a temporary one)")
     p.add_argument("--keep", action="store_true", help="keep the working folder")
     p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--repeats", type=int, default=2, help="runs of each first-step measurement (alternated)")
     args = p.parse_args()
     if not (Path(args.multi30k) / "train.de.gz").exists():
         sys.exit(f"no Multi30k files in {args.multi30k} (--multi30k DIR)")
@@ -213,7 +240,8 @@ def main() -> None:
         manifest = bench_preprocess(data, work / "bin", args.workers, "bpe", work)
         bench_plan(work / "bin")
         if not args.skip_train:
-            bench_training(data, work / "bin", work, manifest)
+            bench_data_setup(work / "bin")
+            bench_training(data, work / "bin", work, manifest, args.repeats)
         if args.spacy_pairs:
             spacy_data = make_corpus(Path(args.multi30k), args.spacy_pairs, work / "corpus-spacy")
             bench_preprocess(spacy_data, work / "bin-spacy", args.workers, "spacy", work)

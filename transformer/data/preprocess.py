@@ -275,19 +275,26 @@ def preprocess(cfg, sources: Dict[str, Tuple[Path, Path]], out_dir: Path, opts: 
         raise ValueError(f"preprocess.workers={opts.workers}, preprocess.chunk_size={opts.chunk_size}: must be >= 1")
     t0 = time.time()
     counts = {name: count_pairs(*paths) for name, paths in sources.items()}  # bad files fail before any work
+    log.info("checked the input files: %d train, %d valid pairs (%.1f s)", counts["train"], counts["valid"],
+             time.time() - t0)
     staging = Staging(out_dir, opts.overwrite)
     run = _Run(cfg, sources, staging, opts)
     try:
+        t = time.time()
         if tokenizer_state is not None:
             tokenizer = tokenizer_from_state(tokenizer_state)
         elif cfg.tokenizer.name == "bpe":
             tokenizer = run.train_bpe(counts["train"])
         else:
             tokenizer = run.spacy_train(counts["train"])
+        log.info("tokenizer %s ready (%.1f s)", cfg.tokenizer.name if tokenizer_state is None else "given",
+                 time.time() - t)
         dtype = token_dtype(max(tokenizer.src_vocab_size, tokenizer.tgt_vocab_size))
         for name in ("train", "valid"):
             if name not in run.splits:
+                t = time.time()
                 run.encode(name, tokenizer, counts[name], dtype)
+                log.info("encoded %s with %d worker(s) (%.1f s)", name, opts.workers, time.time() - t)
         manifest = {
             "src_lang": d.src_lang, "tgt_lang": d.tgt_lang,
             "vocab": {"src": tokenizer.src_vocab_size, "tgt": tokenizer.tgt_vocab_size,
