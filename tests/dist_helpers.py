@@ -9,8 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
-
+# The comparisons live in their own module (no pytest there: the Docker tier runs it in the image).
+from tests.checkpoint_compare import assert_same_state, assert_same_weights  # noqa: F401
 from tests.conftest import cli_env, train_cmd
 from transformer.checkpoint import load_checkpoint
 
@@ -73,32 +73,6 @@ def torchrun(run_dir: Path | None, *overrides: str, cwd: Path, expect: int | Non
 
 def last_ckpt(run_dir: Path) -> dict:
     return load_checkpoint(Path(run_dir) / "checkpoints" / "last.pt")
-
-
-def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
-    """Every tensor of the model equal: bit for bit (atol=0) or within `atol`."""
-    assert a["model"].keys() == b["model"].keys()
-    for k, ta in a["model"].items():
-        tb = b["model"][k]
-        if atol == 0:
-            assert torch.equal(ta, tb), f"{k} differs: max |diff| {(ta - tb).abs().max().item():.3g}"
-        else:
-            torch.testing.assert_close(ta, tb, atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
-
-
-def assert_same_state(a: dict, b: dict) -> None:
-    """Weights, optimiser moments, schedule and trainer position all bit-identical."""
-    assert_same_weights(a, b)
-    assert a["trainer"]["step"] == b["trainer"]["step"]
-    assert (a["trainer"]["epoch"], a["trainer"]["batch_index"]) == (b["trainer"]["epoch"], b["trainer"]["batch_index"])
-    assert a["scheduler"] == b["scheduler"]
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for i in sa:
-        for name, v in sa[i].items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb[i][name])), f"optimizer state {i}.{name}"
-    for ra, rb in zip(a["rng"], b["rng"], strict=True):
-        assert torch.equal(ra["cpu"], rb["cpu"]), "RNG states differ"
 
 
 # ---- processes -------------------------------------------------------------------------------------------
