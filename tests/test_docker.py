@@ -17,8 +17,20 @@ TIER = REPO / "docker" / "ci" / "run-docker-tier.sh"
 
 
 def run_tier(*args, env=None, timeout=30):
-    return subprocess.run(["bash", str(TIER), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    """The tier script's result; past `timeout` it gets TERM (its cleanup stops dockerd), then KILL."""
+    proc = subprocess.Popen(["bash", str(TIER), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise AssertionError(f"{TIER.name} ran past {timeout}s\n{out[-6000:]}\n{err[-3000:]}") from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def test_tier_script_parses():

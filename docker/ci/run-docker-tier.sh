@@ -309,8 +309,11 @@ start_two_nodes() {  # $1 job name, $2 outputs folder, $3 max restarts
 
 # Waits for both containers; fails with their logs unless both exit 0; checks who wrote what.
 finish_two_nodes() {  # $1 job name, $2 outputs folder
+    # docker wait in the background: a TERM to this script interrupts the wait and cleanup runs.
+    "$DOCKER" wait "$1-node0" "$1-node1" >"$TMP/$1.codes" &
+    wait $!
     local codes
-    codes=$("$DOCKER" wait "$1-node0" "$1-node1" | tr '\n' ' ')
+    codes=$(tr '\n' ' ' <"$TMP/$1.codes")
     local n
     for n in 0 1; do "$DOCKER" logs "$1-node$n" >"$TMP/$1-node$n.log" 2>&1; done
     if [[ "$codes" != "0 0 " ]]; then
