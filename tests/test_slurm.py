@@ -215,8 +215,8 @@ def test_hydra_submitit_launcher_sweep(cluster, tmp_path):
     # One job array, one task (a job of its own) per sweep point: .submitit/<array id>_<index>
     job_ids = sorted(p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
     assert len(job_ids) == 2, files_under(sweep)
-    for job_id in job_ids:
-        assert job(job_id)["JobState"] == "COMPLETED"
+    for job_id in job_ids:  # the results come back a moment before Slurm has closed the jobs
+        assert wait_done(sweep, job_id)["JobState"] == "COMPLETED"
     for i, norm_first in enumerate((False, True)):
         ck = last_ckpt(sweep / str(i))
         assert ck["trainer"]["step"] == 6 and ck["trainer"]["world_size"] == 2

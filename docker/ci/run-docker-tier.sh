@@ -2,32 +2,41 @@
 # CI's Docker tier: builds docker/Dockerfile and trains in the container, on a machine that has no
 # container registry, only Debian's and PyPI's package registries. As root it:
 #   1. installs docker.io and debootstrap with apt-get when missing;
-#   2. starts a private dockerd (no bridge, no iptables, data under a temp dir; stopped on exit);
+#   2. starts a private dockerd (no bridge, no iptables; stopped on exit) whose images and build cache
+#      are kept in TIER_CACHE/docker (one tier at a time: a lock), so an unchanged torch layer is reused;
 #   3. imports a Debian bookworm base image made with debootstrap (tarball cached);
 #   4. builds a wheelhouse of the project's dependencies on the host, with constraints-cpu.txt (cached),
 #      and serves it to the build on 127.0.0.1;
 #   5. docker build --network host of docker/Dockerfile on that base, offline (--no-index);
 #   6. docker run --network host: non-root user, then a short training run whose exit code and
-#      checkpoint are checked (an import check while transformer/train.py does not exist yet).
+#      checkpoint are checked;
+#   7. two containers as two nodes (host network, 127.0.0.1 only): multi_node.sh --nnodes 2 in each,
+#      1 CPU worker per node, one outputs folder mounted in both; every file must come from the
+#      container of global rank 0. Then the same job with --max-restarts 1, `docker kill` of the second
+#      container after the first checkpoint and `docker start` of it: the job must finish with final
+#      weights bit-identical to the uninterrupted two-node run.
 # Usage: docker/ci/run-docker-tier.sh [-h] [--mirror]
 #   --mirror  only print the Debian mirror read from the apt sources, and exit
 # Environment: TIER_CACHE (default /var/cache/transformer-ci), TIER_MIRROR, TIER_PYTHON (python3),
 #   TIER_TRAIN_ARGS (default "experiment=copy trainer.max_steps=20 checkpoint.every_steps=10
-#   trainer.progress=false"),
+#   trainer.progress=false" and a tiny model), TIER_NODES_ARGS (the two-node job's overrides, a tiny model),
+#   TIER_DOCKER_DATA (dockerd's data root, default TIER_CACHE/docker; delete it to start afresh),
 #   APT_ETC (default /etc/apt), TIER_KEEP=1 keeps the temp dir.
 # Exit 0 on success, 77 when it cannot run here (not root, no apt-get), else the failing status.
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-CACHE=${TIER_CACHE:-/var/cache/transformer-ci}
+TIER=docker-tier
+# shellcheck source=launch/ci/tier-lib.sh
+source "$REPO/launch/ci/tier-lib.sh"
 SUITE=bookworm
 BASE_PACKAGES=python3,python3-venv,python3-pip
-BASE_IMAGE=transformer-ci-base
+DATA_ROOT=${TIER_DOCKER_DATA:-$CACHE/docker}
 IMAGE=transformer-ci
-TRAIN_ARGS=${TIER_TRAIN_ARGS:-experiment=copy trainer.max_steps=20 checkpoint.every_steps=10 trainer.progress=false}
-
-log() { echo "[docker-tier $(date +%H:%M:%S)] $*"; }
-fail() { echo "[docker-tier] FAILED: $*" >&2; exit 1; }
+TRAIN_ARGS=${TIER_TRAIN_ARGS:-experiment=copy trainer.max_steps=20 checkpoint.every_steps=10 trainer.progress=false model.N=1 model.d_model=32 model.d_ff=64 model.h=2 data.copy.train_size=640}
+# The two-node jobs: a tiny copy model, dropout on (so the RNG state must resume exactly), a checkpoint
+# every 10 of 150 steps, gloo on CPU.
+NODES_ARGS=${TIER_NODES_ARGS:-experiment=copy data.copy.train_size=6400 data.copy.val_size=48 data.copy.test_size=16 model.N=1 model.d_model=32 model.d_ff=64 model.h=2 model.dropout=0.1 trainer.max_epochs=null trainer.max_steps=150 trainer.val_every=1000 checkpoint.every_steps=10 trainer.log_every=50 trainer.progress=false trainer.accelerator=cpu}
 
 # The Debian mirror this machine's apt uses for $SUITE: deb822 *.sources first, then one-line
 # sources.list files; deb.debian.org when none names it.
@@ -69,59 +78,46 @@ case "${1:-}" in
     *) echo "run-docker-tier.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
 esac
 
-if [[ $(id -u) -ne 0 ]]; then echo "[docker-tier] SKIP: needs root (apt-get, dockerd)"; exit 77; fi
-if ! command -v apt-get >/dev/null 2>&1; then echo "[docker-tier] SKIP: no apt-get on this machine"; exit 77; fi
+need_root_and_apt dockerd
 
-# Phase timings, printed at the end (and on failure).
-declare -a PHASES=()
-phase_start=0
-phase_open=0
-t0=$(date +%s.%N)
-begin() { phase_name=$1; phase_start=$(date +%s.%N); phase_open=1; log "== $1"; }
-end() {
-    phase_open=0
-    local secs
-    secs=$(awk -v a="$phase_start" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
-    PHASES+=("$(printf '%-28s %7ss' "$phase_name" "$secs")")
-    log "   $phase_name: ${secs}s"
-}
-report() {
-    echo "[docker-tier] phase timings:"
-    local p
-    for p in "${PHASES[@]}"; do echo "  $p"; done
-    awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "  %-28s %7.1fs\n", "total", b - a }'
-}
-
+DOCKER=docker
 TMP=""
 DOCKERD_PID=""
 SERVER_PID=""
 cleanup() {
     local rc=$?
     set +e
-    if ((phase_open == 1)); then phase_name="$phase_name (failed)"; end; fi
-    ((${#PHASES[@]} == 0)) || begin "cleanup"
+    begin_cleanup
     if [[ -n "$SERVER_PID" ]]; then kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; fi
+    # Containers still running (a failed two-node phase) go with their daemon.
+    if [[ -n "$DOCKERD_PID" ]] && kill -0 "$DOCKERD_PID" 2>/dev/null; then
+        local running
+        running=$("$DOCKER" ps -q 2>/dev/null | tr '\n' ' ')
+        # shellcheck disable=SC2086  # a list of container ids
+        if [[ -n "${running// /}" ]]; then "$DOCKER" kill $running >/dev/null 2>&1; log "killed containers $running"; fi
+    fi
+    stop_pid "$DOCKERD_PID" dockerd
+    # Whatever a dockerd that did not stop cleanly left mounted (overlay layers, netns).
     if [[ -n "$DOCKERD_PID" ]]; then
-        kill "$DOCKERD_PID" 2>/dev/null
-        for _ in $(seq 1 100); do kill -0 "$DOCKERD_PID" 2>/dev/null || break; sleep 0.2; done
-        kill -9 "$DOCKERD_PID" 2>/dev/null
-        wait "$DOCKERD_PID" 2>/dev/null
-        log "dockerd stopped"
+        awk -v t="$DATA_ROOT/" 'index($2, t) == 1 { print $2 }' /proc/mounts | sort -r | xargs -r -n1 umount -l
     fi
     if [[ -n "$TMP" && -d "$TMP" ]]; then
-        # Whatever dockerd left mounted (overlay layers, netns) must go before the files do.
         awk -v t="$TMP" 'index($2, t) == 1 { print $2 }' /proc/mounts | sort -r | xargs -r -n1 umount -l
         if [[ "${TIER_KEEP:-0}" == 1 ]]; then log "kept $TMP"; else rm -rf "$TMP"; log "removed $TMP"; fi
     fi
-    ((${#PHASES[@]} == 0)) || { end; report; }
-    if ((rc == 0)); then echo "[docker-tier] OK"; else echo "[docker-tier] FAILED (exit $rc)"; fi
-    exit "$rc"
+    finish_tier "$rc"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 TMP=$(mktemp -d /tmp/transformer-docker.XXXXXX)
-mkdir -p "$CACHE"
+mkdir -p "$CACHE" "$DATA_ROOT"
+# Two dockerds must never share a data root: a second tier waits for the first.
+exec 9>"$DATA_ROOT.lock"
+if ! flock -n 9; then
+    log "waiting for the other Docker tier using $DATA_ROOT"
+    flock -w 3600 9 || fail "$DATA_ROOT is still locked after an hour"
+fi
 
 # --- 1. packages ------------------------------------------------------------------------------
 begin "apt: docker.io debootstrap"
@@ -129,14 +125,8 @@ missing=()
 command -v dockerd >/dev/null 2>&1 || missing+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || missing+=(debootstrap)
 [[ -f /usr/share/keyrings/debian-archive-keyring.gpg ]] || missing+=(debian-archive-keyring)
-if ((${#missing[@]} > 0)); then
-    log "installing ${missing[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >"$TMP/apt.log" 2>&1 ||
-        { tail -20 "$TMP/apt.log"; fail "apt-get install ${missing[*]}"; }
-fi
+if ((${#missing[@]} > 0)); then apt_install "$TMP/apt.log" "${missing[@]}"; fi
 # The daemon is 20.10 from Debian; a newer docker client elsewhere on PATH negotiates down to it.
-DOCKER=docker
 command -v docker >/dev/null 2>&1 || fail "no docker client after installing docker.io"
 end
 
@@ -145,7 +135,7 @@ begin "start dockerd"
 export DOCKER_HOST="unix://$TMP/docker.sock"
 # The classic builder: no buildx plugin is needed and --network host applies to RUN steps.
 export DOCKER_BUILDKIT=0
-dockerd --bridge=none --iptables=false --ip6tables=false --data-root="$TMP/data" \
+dockerd --bridge=none --iptables=false --ip6tables=false --data-root="$DATA_ROOT" \
     --exec-root="$TMP/exec" --pidfile="$TMP/dockerd.pid" --host="$DOCKER_HOST" >"$TMP/dockerd.log" 2>&1 &
 DOCKERD_PID=$!
 for _ in $(seq 1 150); do
@@ -177,8 +167,12 @@ else
     rm -rf "$rootfs"
     find "$CACHE" -maxdepth 1 -name "base-$SUITE-*.tar" ! -path "$base_tar" -delete
 fi
-"$DOCKER" import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
-    --change 'ENV LANG=C.UTF-8' "$base_tar" "$BASE_IMAGE" >/dev/null
+# Tagged by the tarball's key: imported once, so the build cache on top of it stays valid.
+BASE_IMAGE=transformer-ci-base:$base_key
+if ! "$DOCKER" image inspect "$BASE_IMAGE" >/dev/null 2>&1; then
+    "$DOCKER" import --change 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+        --change 'ENV LANG=C.UTF-8' "$base_tar" "$BASE_IMAGE" >/dev/null
+fi
 container_py=$("$DOCKER" run --rm --network host "$BASE_IMAGE" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 log "base image $BASE_IMAGE: Python $container_py"
 end
@@ -208,11 +202,17 @@ fi
 torch_wheel=$(find "$wheels" -name 'torch-*.whl' -printf '%f\n' | head -n 1)
 [[ -n "$torch_wheel" ]] || fail "no torch wheel in $wheels"
 log "torch wheel: $torch_wheel; $(du -sh "$wheels" | cut -f1) in all"
-# Served on loopback: the build (network host) reads it without copying it into the context.
+# Served on loopback: the build (network host) reads it without copying it into the context. The URL
+# is a build argument, part of the build cache's key: the same port each time when it is free.
 "$py" - "$wheels" "$TMP/port" >"$TMP/http.log" 2>&1 <<'EOF' &
 import functools, http.server, os, sys
 handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])
-server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+for port in (38917, 38918, 38919, 0):
+    try:
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+        break
+    except OSError:
+        continue
 with open(sys.argv[2] + ".tmp", "w") as f:
     f.write(str(server.server_address[1]))
 os.replace(sys.argv[2] + ".tmp", sys.argv[2])
@@ -237,6 +237,10 @@ torch_version=$(sed -n 's/^torch-\([^-]*\)-.*/\1/p' <<<"$torch_wheel")
 # When each build step started: where the time goes.
 grep -E '^[0-9:]+ (Step [0-9]+/|torch )' "$TMP/build.log" | cut -c1-110 | sed 's/^/   /' || true
 log "image $IMAGE: $("$DOCKER" image inspect --format '{{.Size}}' "$IMAGE" | awk '{ printf "%.0f MB", $1 / 1e6 }')"
+# The images this build replaced, and base images of other keys, leave the cache.
+"$DOCKER" images --format '{{.Repository}}:{{.Tag}}' transformer-ci-base | grep -vx "$BASE_IMAGE" |
+    xargs -r "$DOCKER" rmi >/dev/null 2>&1 || true
+"$DOCKER" image prune -f >/dev/null
 end
 
 # --- 6. docker run ----------------------------------------------------------------------------
@@ -252,24 +256,125 @@ end
 out="$TMP/out"
 mkdir -p "$out"
 chmod 1777 "$out"  # the container's user is not root
-if [[ -f "$REPO/transformer/train.py" ]]; then
-    begin "docker run: train"
-    read -r -a train_args <<<"$TRAIN_ARGS"
-    log "transformer-train ${train_args[*]} hydra.run.dir=/out/run"
-    set +e
-    "$DOCKER" run --rm --network host --init -v "$out:/out" "$IMAGE" \
-        transformer-train "${train_args[@]}" hydra.run.dir=/out/run >"$TMP/train.log" 2>&1
-    rc=$?
-    set -e
-    tail -15 "$TMP/train.log" | sed 's/^/   /'
-    ((rc == 0)) || fail "transformer-train exited $rc in the container"
-    ckpts=$(find "$out/run" -type f \( -name '*.pt' -o -name '*.ckpt' \) | sort)
-    [[ -n "$ckpts" ]] || fail "training exited 0 but wrote no checkpoint (*.pt) under hydra.run.dir"
-    log "checkpoints: $(tr '\n' ' ' <<<"${ckpts//$out\//}")"
-    end
-else
-    begin "docker run: import (no trainer yet)"
-    "$DOCKER" run --rm --network host "$IMAGE" \
-        python -c "import transformer, torch, hydra, spacy, tokenizers, sacrebleu; print('imports ok, torch', torch.__version__)"
-    end
-fi
+begin "docker run: train"
+read -r -a train_args <<<"$TRAIN_ARGS"
+log "transformer-train ${train_args[*]} hydra.run.dir=/out/run"
+set +e
+"$DOCKER" run --rm --network host --init -v "$out:/out" "$IMAGE" \
+    transformer-train "${train_args[@]}" hydra.run.dir=/out/run >"$TMP/train.log" 2>&1
+rc=$?
+set -e
+tail -15 "$TMP/train.log" | sed 's/^/   /'
+((rc == 0)) || fail "transformer-train exited $rc in the container"
+ckpts=$(find "$out/run" -type f \( -name '*.pt' -o -name '*.ckpt' \) | sort)
+[[ -n "$ckpts" ]] || fail "training exited 0 but wrote no checkpoint (*.pt) under hydra.run.dir"
+log "checkpoints: $(tr '\n' ' ' <<<"${ckpts//$out\//}")"
+end
+
+# --- 7. two containers as two nodes -----------------------------------------------------------
+# Both on the host network, rendezvous and workers on 127.0.0.1 only, 1 CPU worker each, one outputs
+# folder mounted in both (a shared file system). Each runs as its own uid: a file's owner says which
+# container wrote it, and all must come from the one holding global rank 0. torchrun tells nodes apart
+# by address and agent pid, and both containers share the host's address and start their agent as the
+# same pid of their own pid namespace: the second reaches loopback by its other name.
+read -r -a nodes_args <<<"$NODES_ARGS"
+UIDS=(1000 1001)
+ADDRS=(127.0.0.1 localhost)
+port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+
+start_node() {  # $1 node index, $2 job name (rendezvous id), $3 outputs folder, $4 max restarts
+    "$DOCKER" run -d --name "$2-node$1" --network host --init --user "${UIDS[$1]}:${UIDS[$1]}" \
+        -e LOCAL_ADDR="${ADDRS[$1]}" -e OMP_NUM_THREADS=1 -e LOGLEVEL=INFO -v "$3:/workspace/outputs" "$IMAGE" \
+        multi_node.sh --nnodes 2 --rdzv-endpoint "127.0.0.1:$port" --rdzv-id "$2" --nproc-per-node 1 \
+        --max-restarts "$4" "${nodes_args[@]}" >/dev/null
+}
+
+# Starts node 0, waits until its agent hosts the rendezvous store on $port, then starts node 1 (so
+# node 1 never hosts it: the endpoint's node must outlive the others, as on a cluster).
+start_two_nodes() {  # $1 job name, $2 outputs folder, $3 max restarts
+    mkdir -p "$2"
+    chmod 1777 "$2"
+    start_node 0 "$@"
+    local i
+    for i in $(seq 1 300); do
+        (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && break
+        [[ "$("$DOCKER" inspect -f '{{.State.Running}}' "$1-node0")" == true ]] ||
+            { "$DOCKER" logs "$1-node0" 2>&1 | tail -20; fail "$1-node0 exited before hosting the rendezvous"; }
+        sleep 0.2
+    done
+    ((i < 300)) || fail "$1-node0 hosts no rendezvous on 127.0.0.1:$port after 60 s"
+    start_node 1 "$@"
+    log "$1: 2 containers, rendezvous 127.0.0.1:$port, uids ${UIDS[*]}, outputs $2"
+}
+
+# Waits for both containers; fails with their logs unless both exit 0; checks who wrote what.
+finish_two_nodes() {  # $1 job name, $2 outputs folder
+    # docker wait in the background: a TERM to this script interrupts the wait and cleanup runs.
+    "$DOCKER" wait "$1-node0" "$1-node1" >"$TMP/$1.codes" &
+    wait $!
+    local codes
+    codes=$(tr '\n' ' ' <"$TMP/$1.codes")
+    local n
+    for n in 0 1; do "$DOCKER" logs "$1-node$n" >"$TMP/$1-node$n.log" 2>&1; done
+    if [[ "$codes" != "0 0 " ]]; then
+        for n in 0 1; do echo "--- $1-node$n"; tail -25 "$TMP/$1-node$n.log"; done
+        fail "$1: the containers exited with $codes"
+    fi
+    local run="$2/torchrun-$1"
+    [[ -f "$run/checkpoints/last.pt" && -f "$run/train.log" && -f "$run/.hydra/config.yaml" ]] ||
+        fail "$1: no checkpoints/last.pt, train.log or .hydra/config.yaml in $run: $(find "$2" | head -20)"
+    local owners writer
+    owners=$(find "$2" -mindepth 1 -printf '%U\n' | sort -u | tr '\n' ' ')
+    [[ "$owners" == "${UIDS[0]} " || "$owners" == "${UIDS[1]} " ]] ||
+        fail "$1: files in the shared outputs folder written by uids $owners: only global rank 0 may write"
+    writer=$(grep -l "run dir /workspace/outputs/torchrun-$1" "$TMP/$1-node0.log" "$TMP/$1-node1.log" | tr '\n' ' ' || true)
+    [[ "$writer" == "$TMP/$1-node"?".log " ]] || fail "$1: rank 0's 'run dir' line in '$writer', expected in one log"
+    writer=${writer% }
+    log "$1: both containers exited 0; global rank 0 in ${writer#"$TMP/"} (uid ${owners% }) wrote all $(find "$2" -type f | wc -l) files"
+    "$DOCKER" rm "$1-node0" "$1-node1" >/dev/null
+}
+
+begin "two nodes"
+start_two_nodes plain "$TMP/nodes/plain" 0
+finish_two_nodes plain "$TMP/nodes/plain"
+end
+
+begin "two nodes: kill, start"
+start_two_nodes restart "$TMP/nodes/restart" 1
+for _ in $(seq 1 900); do
+    [[ -n "$(find "$TMP/nodes/restart" -name 'step_*.pt' -print -quit 2>/dev/null)" ]] && break
+    sleep 0.2
+done
+first=$(find "$TMP/nodes/restart" -name 'step_*.pt' -printf '%f\n' | sort | head -n 1)
+[[ -n "$first" ]] || fail "restart: no checkpoint after 180 s"
+"$DOCKER" kill restart-node1 >/dev/null
+log "restart: $first written; docker kill restart-node1 (SIGKILL)"
+# The restarted agent has the dead one's name (address, pid): it may rejoin once the rendezvous has
+# dropped the dead one, 3 missed heartbeats of 5 s after node 0 saw its workers fail (torchrun logs
+# that at LOGLEVEL=INFO).
+for _ in $(seq 1 300); do
+    "$DOCKER" logs restart-node0 2>&1 | grep -q "will restart worker group" && break
+    sleep 0.2
+done
+"$DOCKER" logs restart-node0 2>&1 | grep -q "will restart worker group" ||
+    fail "restart: node 0 did not restart its workers within 60 s of the kill"
+sleep 20
+"$DOCKER" start restart-node1 >/dev/null
+log "restart: node 0 restarts its worker group; docker start restart-node1 20 s later"
+finish_two_nodes restart "$TMP/nodes/restart"
+grep -h "resumed from" "$TMP"/restart-node?.log | sed 's/^/   /'
+grep -q "resumed from" "$TMP"/restart-node?.log || fail "restart: the restarted job did not resume from a checkpoint"
+end
+
+begin "two nodes: compare weights"
+# In the image (torch is there, not necessarily on the host): the tests' own bit-for-bit comparison.
+"$DOCKER" run --rm --network host -e PYTHONPATH=/opt/transformer -v "$TMP/nodes:/nodes:ro" "$IMAGE" python -c "
+from tests.helpers.checkpoints import assert_same_state
+from transformer.training.checkpoint import load_checkpoint
+a, b = (load_checkpoint(f'/nodes/{j}/torchrun-{j}/checkpoints/last.pt') for j in ('plain', 'restart'))
+assert a['trainer']['world_size'] == b['trainer']['world_size'] == 2
+assert_same_state(a, b)
+print('final weights bit-identical: step', a['trainer']['step'], 'world size 2')" >"$TMP/compare.log" 2>&1 ||
+    { tail -20 "$TMP/compare.log"; fail "the killed and restarted two-node run does not end like the uninterrupted one"; }
+log "killed and restarted vs uninterrupted: $(tail -n 1 "$TMP/compare.log")"
+end

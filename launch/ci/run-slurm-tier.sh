@@ -34,6 +34,7 @@ TMP=""
 MUNGED_PID=""
 SLURMCTLD_PID=""
 SLURMD_PID=""
+PYTEST_PID=""
 
 # Processes whose working directory or an open file lies in $TMP: the jobs our slurmd started
 # (the tests submit from folders under $TMP) and their slurmstepd. Never anything else.
@@ -53,6 +54,7 @@ cleanup() {
     local rc=$?
     set +e
     begin_cleanup
+    stop_pid "$PYTEST_PID" pytest  # first, so that nothing submits jobs any more
     if [[ -n "$SLURMCTLD_PID" ]] && kill -0 "$SLURMCTLD_PID" 2>/dev/null; then
         local left
         left=$(squeue -h -o %i 2>/dev/null | tr '\n' ' ')
@@ -199,10 +201,12 @@ end
 # --- 5. tests ---------------------------------------------------------------------------------
 begin "pytest -m slurm"
 # The tests' folders (submit dirs, run dirs) under $TMP: what cleanup looks for.
-set +e
-(cd "$REPO" && "$py" -m pytest -m slurm -p no:cacheprovider --durations=0 --basetemp="$TMP/pytest" "$@")
-rc=$?
-set -e
+# In the background: a TERM or INT to this script then ends the wait at once and cleanup runs.
+(cd "$REPO" && exec "$py" -m pytest -m slurm -p no:cacheprovider --durations=0 --basetemp="$TMP/pytest" "$@") &
+PYTEST_PID=$!
+rc=0
+wait "$PYTEST_PID" || rc=$?
+PYTEST_PID=""
 if ((rc != 0)); then
     for f in slurmctld slurmd; do echo "--- last lines of $f.log"; tail -15 "$TMP/log/$f.log" 2>/dev/null; done
     fail "pytest -m slurm exited $rc"

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
-import torch
-
+# The comparisons live in their own module (no pytest there: the Docker tier runs it in the image).
+from tests.helpers.checkpoints import assert_same_state, assert_same_weights  # noqa: F401
 from tests.helpers.cli import cli_env, free_port, train_cmd
 from transformer.training.checkpoint import load_checkpoint
 
@@ -66,37 +66,6 @@ def torchrun(run_dir: Optional[Path], *overrides: str, cwd: Path, expect: Option
 
 def last_ckpt(run_dir: Path) -> dict:
     return load_checkpoint(Path(run_dir) / "checkpoints" / "last.pt")
-
-
-def assert_same_weights(a: dict, b: dict, atol: float = 0.0) -> None:
-    """Every tensor of the model equal: bit for bit (atol=0) or within `atol`."""
-    assert a["model"].keys() == b["model"].keys()
-    for k, ta in a["model"].items():
-        tb = b["model"][k]
-        if atol == 0:
-            assert torch.equal(ta, tb), f"{k} differs: max |diff| {(ta - tb).abs().max().item():.3g}"
-        else:
-            torch.testing.assert_close(ta, tb, atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
-
-
-def assert_same_state(a: dict, b: dict) -> None:
-    """Weights, optimiser moments, schedule and trainer position all bit-identical."""
-    assert_same_weights(a, b)
-    assert a["trainer"]["step"] == b["trainer"]["step"]
-    assert (a["trainer"]["epoch"], a["trainer"]["batch_index"]) == (b["trainer"]["epoch"], b["trainer"]["batch_index"])
-    assert a["scheduler"] == b["scheduler"]
-    sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
-    assert sa.keys() == sb.keys()
-    for i in sa:
-        for name, v in sa[i].items():
-            assert torch.equal(torch.as_tensor(v), torch.as_tensor(sb[i][name])), f"optimizer state {i}.{name}"
-    for ra, rb in zip(a["rng"], b["rng"], strict=False):
-        assert torch.equal(ra["cpu"], rb["cpu"]), "RNG states differ"
-    assert ("ema" in a) == ("ema" in b)
-    if "ema" in a:  # trainer.ema_decay: the weight average and its step count
-        assert a["ema"]["updates"] == b["ema"]["updates"]
-        for k, v in a["ema"]["shadow"].items():
-            assert torch.equal(v, b["ema"]["shadow"][k]), f"weight average {k} differs"
 
 
 # ---- processes -------------------------------------------------------------------------------------------
