@@ -134,3 +134,18 @@ def test_translate_truncates_over_long_sources_with_a_warning_per_line(files, ca
     out, err = capsys.readouterr()
     assert len(out.splitlines()) == 2
     assert err.count("warning") == 1 and "line 2: 40 source tokens, truncated to 8" in err
+
+
+@pytest.mark.parametrize("module, args, fragment", [
+    ("transformer.cli.bench", ["optim.lrr=1"], "optim.lrr"),
+    ("transformer.cli.bench", ["bench.steps=0"], "bench.steps=0"),
+    ("transformer.cli.preprocess", ["data.max_len=0", "preprocess.out_dir=out"], "data.max_len=0"),
+    ("transformer.cli.preprocess", ["tokenizer=nope", "preprocess.out_dir=out"], "tokenizer/nope"),
+])
+def test_bench_and_preprocess_bad_input_is_one_line_exit_2(tmp_path, module, args, fragment):
+    before = tree_digest(tmp_path)
+    r = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=cli_env(), capture_output=True,
+                       text=True, timeout=240)
+    assert r.returncode == 2, r.stderr
+    assert_one_error_line(r.stderr, fragment)
+    assert tree_digest(tmp_path) == before

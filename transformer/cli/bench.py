@@ -9,17 +9,14 @@ writes no files unless asked: `bench.out=FILE` appends the JSON line to FILE. Ba
 exit code 2.
 """
 import sys
-from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from transformer.config import register_configs
-from transformer.data.download import DownloadError
-from transformer.training.checkpoint import CheckpointError
-
-BAD_INPUT = (ValueError, CheckpointError, FileNotFoundError, DownloadError)  # ConfigError is a ValueError
-CONF = str(Path(__file__).resolve().parents[2] / "conf")  # absolute: a relative path would name a package
+from transformer import exit_codes
+from transformer.cli.compose import precheck
+from transformer.config import CONF_DIR, register_configs, validate
+from transformer.training.launcher import USER_INPUT_ERRORS
 
 
 def bench(cfg: DictConfig) -> None:
@@ -27,9 +24,9 @@ def bench(cfg: DictConfig) -> None:
 
     try:
         run_benchmark(cfg)
-    except BAD_INPUT as e:
+    except USER_INPUT_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(exit_codes.USER_ERROR)
 
 
 def main() -> None:
@@ -38,7 +35,10 @@ def main() -> None:
     # Hydra's run directory is the working directory (it exists, so nothing is created) unless one is given.
     if not any(a.startswith("hydra.run.dir=") for a in sys.argv[1:]):
         sys.argv.append("hydra.run.dir=.")
-    hydra.main(config_path=CONF, config_name="config", version_base="1.3")(bench)()
+    code = precheck(sys.argv[1:], validate)  # composition errors: one line, exit 2
+    if code:
+        sys.exit(code)
+    hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")(bench)()
 
 
 if __name__ == "__main__":
