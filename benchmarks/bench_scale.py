@@ -4,8 +4,8 @@
 
 A synthetic corpus of N pairs is made from Multi30k (each line joins two random training pairs: about 25
 words a sentence, as in issue 12), then, with tokenizer=bpe:
-1. `transformer-preprocess` wall time, and peak memory: of the main process (VmHWM) and of the whole
-   process tree (sum of the PSS of every process, sampled every 0.25 s);
+1. `transformer-preprocess` wall time and CPU time (user + system, all processes), and peak memory: of the
+   main process (VmHWM) and of the whole process tree (sum of the PSS of every process, sampled every 0.25 s);
 2. the epoch batch plan of all N pairs (TokenBatchSampler.epoch_batches) for 1 and 8 workers;
 3. `transformer-train data.preprocessed=DIR trainer.devices=2 trainer.accelerator=cpu model=tiny`: time from
    start to the first optimiser step, and each rank's RSS (and peak RSS) at that step, against the same run
@@ -17,6 +17,7 @@ The load average of the machine is printed beside each measurement: other jobs s
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -88,6 +89,7 @@ def run_sampled(cmd: list, cwd: Path, until=None, interval: float = 0.25) -> dic
     """Runs `cmd`, sampling the tree's summed PSS and the main process's VmHWM; `until(proc)` may return a dict
     to record (and then the run is stopped)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cpu0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak_tree = peak_main = 0
@@ -104,18 +106,21 @@ def run_sampled(cmd: list, cwd: Path, until=None, interval: float = 0.25) -> dic
     out, err = proc.communicate()
     if proc.returncode != 0 and extra is None:
         sys.exit(f"failed ({proc.returncode}): {' '.join(cmd)}\n{err[-3000:]}")
+    cpu1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the tree that was waited for
     return {"seconds": time.time() - t0, "peak_tree_mb": peak_tree / 1024, "peak_main_mb": peak_main / 1024,
+            "cpu_s": (cpu1.ru_utime + cpu1.ru_stime) - (cpu0.ru_utime + cpu0.ru_stime),
             "stdout": out, "stderr": err, "extra": extra}
 
 
 def bench_preprocess(data: list, out: Path, workers: int, tokenizer: str, work: Path) -> dict:
     cmd = [sys.executable, "-m", "transformer.cli.preprocess", *data, f"tokenizer={tokenizer}",
            f"preprocess.out_dir={out}", f"preprocess.workers={workers}", "preprocess.progress=false"]
-    before = loadavg()
+    before, cores = loadavg(), len(os.sched_getaffinity(0))
     r = run_sampled(cmd, work)
     m = json.loads((out / "manifest.json").read_text())
     pairs = m["splits"]["train"]["lines"]
-    print(f"preprocess tokenizer={tokenizer} {pairs} pairs, {workers} worker(s): {r['seconds']:.1f} s wall | peak "
+    print(f"preprocess tokenizer={tokenizer} {pairs} pairs, {workers} worker(s): {r['seconds']:.1f} s wall, "
+          f"{r['cpu_s']:.0f} CPU-s (with this machine's {cores} cores to itself: >= {r['cpu_s'] / cores:.0f} s) | peak "
           f"RSS main process {r['peak_main_mb']:.0f} MB, whole process tree (PSS) {r['peak_tree_mb']:.0f} MB | "
           f"{2 * pairs / r['seconds'] / workers:,.0f} sentences/s per worker | {before} -> {loadavg()}")
     print("   ", r["stdout"].strip().splitlines()[0])
