@@ -14,7 +14,7 @@ import resource
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 
