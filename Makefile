@@ -6,7 +6,7 @@ PYTEST := $(BIN)/python -m pytest
 # CPU machines pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
 CONSTRAINTS ?= constraints-cpu.txt
 
-.PHONY: install train test test-slow test-docker test-slurm test-gpu test-all clean
+.PHONY: install train test test-slow test-docker test-slurm test-gpu bench-gpu test-all clean
 
 install: $(VENV)/.installed
 
@@ -33,6 +33,13 @@ test-slurm: install  ## starts a one-node Slurm cluster (munged, slurmctld, slur
 
 test-gpu: install  ## needs a CUDA GPU
 	$(PYTEST) -m gpu
+
+# On a GPU machine, with the torch it already has: no venv, nothing downloaded (the other dependencies must be
+# importable there too). GPU tier + transformer-bench for base and big; results appended to BENCH_OUT.
+GPU_PYTHON ?= python3
+BENCH_OUT ?= outputs/bench-gpu-$(shell date +%Y%m%d-%H%M%S).jsonl
+bench-gpu:  ## GPU tier and GPU benchmarks, under 10 minutes
+	$(GPU_PYTHON) benchmarks/bench_gpu.py --out $(BENCH_OUT)
 
 test-all: test test-slow test-docker test-slurm
 

@@ -1,39 +1,185 @@
-"""GPU-only checks (skipped where torch sees no CUDA device): bf16 autocast, fused kernels, NCCL."""
+"""GPU tier (skipped where torch sees no CUDA device; `make bench-gpu` runs it): bf16 autocast, fused
+kernels, NCCL, a training step with no host sync between logged lines, compile and precision agreement,
+exact resume in deterministic mode, and translation equal on GPU and CPU."""
+import json
+import subprocess
+import sys
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
 import pytest
 import torch
 
-from tests.helpers.cli import compose_cfg
+from tests.helpers.cli import cli_env, compose_cfg, train_cmd
+from tests.helpers.dist import assert_same_state, last_ckpt, run_cli, train
 from transformer.data.copy import CopyData
 from transformer.dist import DistEnv
 from transformer.model import Transformer
 from transformer.tasks import build_task
+from transformer.training.hotpath import LaggedFlag, TrainWindow
 from transformer.training.trainer import Trainer, autocast_dtype
 
 pytestmark = pytest.mark.gpu
+CUDA = torch.device("cuda", 0)
+GPU = ("trainer.accelerator=gpu",)
 
 
-def make_trainer(tmp_path, precision):
+def make_trainer(tmp_path, precision, *overrides, env=None):
     cfg = compose_cfg("experiment=copy", "model.N=2", "data.copy.train_size=512", "data.copy.val_size=64",
-                      f"trainer.precision={precision}", "trainer.progress=false")
-    env = DistEnv(device=torch.device("cuda", 0))
+                      f"trainer.precision={precision}", "trainer.progress=false", *overrides)
     data = CopyData(cfg, cfg.seed, 0, 1)
+    torch.manual_seed(0)
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-    return Trainer(cfg, env, model, data, build_task(cfg), tmp_path)
+    return Trainer(cfg, env or DistEnv(device=CUDA), model, data, build_task(cfg), tmp_path)
+
+
+def batches(t, n):
+    """n training batches over as many epochs as it takes, pinned as the GPU loaders of real data pin them
+    (a copy from pageable memory would make the step wait for the GPU)."""
+    out = []
+    for epoch in range(1000):
+        out += [b.pin_memory() for b in t.data.train_loader(epoch)]
+        if len(out) >= n:
+            return out[:n]
+
+
+def loss_curve(t, bs, accumulate=1):
+    window, flag = TrainWindow(), LaggedFlag()
+    results = [t._train_step(bs[i:i + accumulate], window, flag)[0] for i in range(0, len(bs), accumulate)]
+    return np.array([(r.loss / r.tokens).item() for r in results])
+
+
+def host_syncs(fn) -> list:
+    """Messages of the synchronising CUDA calls `fn` makes (torch.cuda.set_sync_debug_mode)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message)]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
 def test_training_steps_on_gpu_reduce_the_loss(tmp_path, precision):
     t = make_trainer(tmp_path, precision)
-    batches = list(t.data.train_loader(0))[:30]
-    losses = [t._optimizer_step([b]) for b in batches]
-    first, last = losses[0][1] / losses[0][0], losses[-1][1] / losses[-1][0]
-    assert last < first
+    curve = loss_curve(t, batches(t, 30))
+    assert curve[-5:].mean() < curve[:5].mean()
     assert all(p.is_cuda for p in t.model.parameters())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_no_host_sync_between_logged_lines(tmp_path, precision):
+    t = make_trainer(tmp_path, precision, "trainer.clip_norm=1.0", "trainer.accumulate=2")
+    bs = batches(t, 16)
+    window, flag = TrainWindow(), LaggedFlag()
+    for i in (0, 2):  # warm-up: Adam's state, cuBLAS handles, the flag's pinned buffers
+        t._train_step(bs[i:i + 2], window, flag)
+    syncs = host_syncs(lambda: [t._train_step(bs[i:i + 2], window, flag) for i in range(4, 16, 2)])
+    assert syncs == [], syncs
+    assert host_syncs(lambda: t._log_train(window, None))  # the logged line does read: the counter works
+
+
+@dataclass(frozen=True)
+class OneRankDDP(DistEnv):
+    """World size 1 taking the distributed code path: DDP, no_sync, NCCL all-reduce."""
+
+    @property
+    def distributed(self) -> bool:
+        return True
+
+
+def test_nccl_single_process_ddp_equals_plain_and_never_syncs(tmp_path):
+    torch.distributed.init_process_group("nccl", store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                         device_id=CUDA)
+    try:
+        common = ("model.dropout=0.0", "trainer.tf32=false", "trainer.accumulate=2", "trainer.clip_norm=1.0")
+        ddp = make_trainer(tmp_path / "ddp", "fp32", *common, env=OneRankDDP(device=CUDA))
+        plain = make_trainer(tmp_path / "plain", "fp32", *common)
+        assert isinstance(ddp.net, torch.nn.parallel.DistributedDataParallel)
+        bs = batches(plain, 12)
+        curve_plain = loss_curve(plain, bs, accumulate=2)
+        curve_ddp = loss_curve(ddp, bs[:4], accumulate=2)  # warm-up (DDP rebuilds its buckets after step 1)
+        window, flag = TrainWindow(), LaggedFlag()
+        syncs = host_syncs(lambda: [ddp._train_step(bs[i:i + 2], window, flag) for i in range(4, 12, 2)])
+        assert syncs == [], syncs
+        np.testing.assert_allclose(curve_ddp, curve_plain[:2], rtol=1e-5)
+        for a, b in zip(ddp.model.parameters(), plain.model.parameters(), strict=False):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_bf16_and_fp32_loss_curves_agree(tmp_path):
+    curves = {}
+    for precision in ("fp32", "bf16"):
+        t = make_trainer(tmp_path / precision, precision, "model.dropout=0.0", "trainer.tf32=false")
+        curves[precision] = loss_curve(t, batches(t, 40))
+    fp32, bf16 = curves["fp32"], curves["bf16"]
+    assert fp32[-5:].mean() < 0.95 * fp32[:5].mean()  # it trains, so the curves have a shape to agree on
+    assert np.abs(bf16 - fp32).max() < 0.03 * fp32.mean(), (fp32, bf16)
+
+
+def test_compile_on_and_off_give_the_same_loss_curve(tmp_path):
+    curves = {}
+    for compiled in (False, True):
+        t = make_trainer(tmp_path / str(compiled), "fp32", "model.dropout=0.0", "trainer.tf32=false",
+                         f"trainer.compile={compiled}")
+        curves[compiled] = loss_curve(t, batches(t, 20))
+    np.testing.assert_allclose(curves[True], curves[False], rtol=5e-3)
+
+
+def test_exact_resume_on_gpu_in_deterministic_mode(tmp_path):
+    """As tests/test_resume.py on CPU: cut at step 4, resume, end bit-identical to the uninterrupted run,
+    CUDA RNG state included (dropout on)."""
+    opts = (*GPU, "trainer.deterministic=true", "model.dropout=0.1", "trainer.max_steps=9", "trainer.val_every=3",
+            "checkpoint.every_steps=100")
+    train(tmp_path / "ref", *opts, cwd=tmp_path)
+    train(tmp_path / "cut", *opts, "trainer.max_steps=4", cwd=tmp_path)
+    train(tmp_path / "cut", *opts, cwd=tmp_path)
+    ref, resumed = last_ckpt(tmp_path / "ref"), last_ckpt(tmp_path / "cut")
+    assert ref["trainer"]["step"] == 9
+    assert_same_state(resumed, ref)
+    assert torch.equal(resumed["rng"][0]["cuda"], ref["rng"][0]["cuda"])
+
+
+def test_translate_on_gpu_equals_cpu_greedy(tmp_path):
+    run = tmp_path / "run"
+    run_cli(train_cmd("experiment=copy", *GPU, f"hydra.run.dir={run}", "trainer.progress=false"), tmp_path)
+    rng = np.random.default_rng(0)
+    src = tmp_path / "src.txt"
+    src.write_text("".join(" ".join(map(str, rng.integers(4, 11, 10))) + "\n" for _ in range(200)))
+    outs = {}
+    for device in ("cpu", "cuda"):
+        res = subprocess.run([sys.executable, "-m", "transformer.cli.translate", str(run / "checkpoints" / "best.pt"),
+                              "--input", str(src), "--beam", "1", "--device", device], cwd=tmp_path, env=cli_env(),
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        outs[device] = res.stdout.splitlines()
+    assert outs["cuda"] == outs["cpu"]
+    expected = src.read_text().splitlines()
+    assert np.mean([o == s for o, s in zip(outs["cpu"], expected, strict=False)]) > 0.9  # a trained model
+
+
+def test_bench_reports_mfu_on_gpu(tmp_path):
+    res = subprocess.run([sys.executable, "-m", "transformer.cli.bench", "model=tiny", "bench.synthetic=true",
+                          "bench.warmup=3", "bench.steps=10", "trainer.progress=false", *GPU], cwd=tmp_path,
+                         env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(res.stdout.strip().splitlines()[-1])
+    assert r["device"].startswith(("NVIDIA", "Tesla")) and r["peak_mem_kind"] == "cuda_max_allocated"
+    assert r["compute"] == ("bf16" if torch.cuda.is_bf16_supported() else "tf32")
+    assert r["forward_backward_ms"] > 0 and r["tgt_tokens_per_s"] > 0
+    if r["peak_tflops"] is not None:
+        assert 0 < r["mfu"] < 1
 
 
 def test_auto_precision_is_bf16_where_supported():
     expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else None
-    assert autocast_dtype("auto", torch.device("cuda", 0)) == expected
+    assert autocast_dtype("auto", CUDA) == expected
     assert autocast_dtype("auto", torch.device("cpu")) is None
 
 
@@ -51,6 +197,6 @@ def test_gpu_stats_report_memory_and_nvml_utilisation():
     from transformer.training.logs import gpu_stats
 
     x = torch.ones(1024, 1024, device="cuda")
-    stats = gpu_stats(torch.device("cuda", 0))
+    stats = gpu_stats(CUDA)
     assert stats["gpu_mem_gb"] >= x.numel() * 4 / 2**30
     assert 0 <= stats["gpu_util"] <= 100  # NVML answered for the GPU torch calls cuda:0
