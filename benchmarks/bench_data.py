@@ -31,7 +31,8 @@ from transformer.dist import DistEnv  # noqa: E402
 
 
 def make_cfg(root: Path, cache: Path, tokenizer: str):
-    return OmegaConf.create({"data": OmegaConf.structured(DataConfig(name="multi30k", root=str(root), cache_dir=str(cache))),
+    data = DataConfig(name="multi30k", root=str(root), cache_dir=str(cache))
+    return OmegaConf.create({"data": OmegaConf.structured(data),
                              "tokenizer": OmegaConf.structured(TokenizerConfig(name=tokenizer)), "seed": 1})
 
 
