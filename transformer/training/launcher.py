@@ -101,10 +101,13 @@ class StopRequest:
 
 
 def set_threads(requested: Optional[int], local_workers: int) -> int:
-    """torch's intra-op threads: `trainer.threads`, else the cores this process may run on (its affinity
-    mask, which Slurm and taskset set) shared among the workers of this node. torch's default (every
-    core of the machine in every worker) oversubscribes the cores and can slow training 5-20x."""
-    threads = requested or max(1, len(os.sched_getaffinity(0)) // max(local_workers, 1))
+    """torch's intra-op threads: `trainer.threads`, else OMP_NUM_THREADS where the launcher or the user set
+    it, else the cores this process may run on (its affinity mask, which Slurm and taskset set) shared among
+    the workers of this node. torch's default (every core of the machine in every worker) oversubscribes
+    the cores and can slow training 5-20x."""
+    omp = os.environ.get("OMP_NUM_THREADS", "")
+    threads = requested or (int(omp) if omp.isdigit() and int(omp) > 0 else
+                            max(1, len(os.sched_getaffinity(0)) // max(local_workers, 1)))
     torch.set_num_threads(threads)
     return threads
 

@@ -47,7 +47,7 @@ class TimeToQuality:
             for level in m.levels:
                 done = score >= level if m.higher_is_better else score <= level
                 if done and self.key(m, level) not in self.reached:
-                    new[self.key(m, level)] = round(minutes, 2)
+                    new[self.key(m, level)] = minutes
         self.reached.update(new)
         return new
 

@@ -342,8 +342,8 @@ class Trainer:
         """Scores the current weights; returns whether they are the best so far."""
         values = self.scores()
         # Rank 0's clock for all: the levels reached and the minutes logged are the same on every rank.
-        minutes = self.env.broadcast_object(self.clock.seconds() / 60)
-        values["train_minutes"] = round(minutes, 3)
+        minutes = round(self.env.broadcast_object(self.clock.seconds() / 60), 3)
+        values["train_minutes"] = minutes
         values.update(self.quality.update(values, minutes))
         self.metrics.log("valid", self.step, self.epoch, **values)
         better = self._better(values[self.metric.name])
