@@ -149,3 +149,26 @@ def test_bench_and_preprocess_bad_input_is_one_line_exit_2(tmp_path, module, arg
     assert r.returncode == 2, r.stderr
     assert_one_error_line(r.stderr, fragment)
     assert tree_digest(tmp_path) == before
+
+
+def test_only_the_writing_rank_checks_the_run_directory(tmp_path, monkeypatch):
+    """Under torchrun only global rank 0 makes the run directory; on a shared file system the other nodes
+    often cannot write into it (another uid), and refusing the run there left rank 0 waiting for them."""
+    from transformer.cli import compose
+    from transformer.cli import train as train_cli
+
+    train_cli.register_configs()
+    (tmp_path / "notes.txt").write_text("not a folder\n")
+    argv = ["experiment=copy", f"hydra.run.dir={tmp_path / 'notes.txt' / 'run'}"]
+    assert compose.precheck(argv, train_cli.check) == 2
+    assert compose.precheck(argv, train_cli.check, writes=False) == 0
+
+    seen = []
+    monkeypatch.setattr(train_cli, "precheck", lambda argv, check, writes: seen.append(writes) or 2)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setattr(sys, "argv", ["transformer-train", *argv])
+        with pytest.raises(SystemExit):
+            train_cli.main()
+    assert seen == [True, False]

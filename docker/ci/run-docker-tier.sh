@@ -89,12 +89,13 @@ cleanup() {
     set +e
     begin_cleanup
     if [[ -n "$SERVER_PID" ]]; then kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null; fi
-    # Containers still running (a failed two-node phase) go with their daemon.
+    # Containers a failed two-node phase left (running or exited): the data root is this tier's own and
+    # outlives the run, and a container left there would hold its name against the next run.
     if [[ -n "$DOCKERD_PID" ]] && kill -0 "$DOCKERD_PID" 2>/dev/null; then
-        local running
-        running=$("$DOCKER" ps -q 2>/dev/null | tr '\n' ' ')
+        local left
+        left=$("$DOCKER" ps -aq 2>/dev/null | tr '\n' ' ')
         # shellcheck disable=SC2086  # a list of container ids
-        if [[ -n "${running// /}" ]]; then "$DOCKER" kill $running >/dev/null 2>&1; log "killed containers $running"; fi
+        if [[ -n "${left// /}" ]]; then "$DOCKER" rm -f $left >/dev/null 2>&1; log "removed containers $left"; fi
     fi
     stop_pid "$DOCKERD_PID" dockerd
     # Whatever a dockerd that did not stop cleanly left mounted (overlay layers, netns).
@@ -283,6 +284,7 @@ ADDRS=(127.0.0.1 localhost)
 port=$("$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 
 start_node() {  # $1 node index, $2 job name (rendezvous id), $3 outputs folder, $4 max restarts
+    "$DOCKER" rm -f "$2-node$1" >/dev/null 2>&1 || true  # one a killed earlier run left behind
     "$DOCKER" run -d --name "$2-node$1" --network host --init --user "${UIDS[$1]}:${UIDS[$1]}" \
         -e LOCAL_ADDR="${ADDRS[$1]}" -e OMP_NUM_THREADS=1 -e LOGLEVEL=INFO -v "$3:/workspace/outputs" "$IMAGE" \
         multi_node.sh --nnodes 2 --rdzv-endpoint "127.0.0.1:$port" --rdzv-id "$2" --nproc-per-node 1 \

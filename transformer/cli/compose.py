@@ -59,8 +59,10 @@ def check_creatable(key: str, folder: Path) -> None:
         raise ConfigError(f"{key}={str(folder)!r}: cannot create folders in {existing} ({e.strerror})") from None
 
 
-def precheck(argv: List[str], check: Callable) -> int:
-    """0 if the command line composes and `check(cfg)` accepts it, else the exit code after one error line."""
+def precheck(argv: List[str], check: Callable, writes: bool = True) -> int:
+    """0 if the command line composes and `check(cfg)` accepts it, else the exit code after one error line.
+    `writes`: this process makes the run directory (torchrun ranks other than 0 write nothing, and on a
+    shared file system rank 0's folder is often not writable for them)."""
     args = get_args_parser().parse_args(argv)
     if (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.experimental_rerun
             or args.config_path or args.config_name or args.config_dir):
@@ -70,8 +72,9 @@ def precheck(argv: List[str], check: Callable) -> int:
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
             cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
         check(cfg)
-        key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
-        check_creatable(key, Path(cfg.hydra.sweep.dir if args.multirun else cfg.hydra.run.dir))
+        if writes:
+            key = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
+            check_creatable(key, Path(cfg.hydra.sweep.dir if args.multirun else cfg.hydra.run.dir))
     except (HydraException, OmegaConfBaseException, *USER_INPUT_ERRORS) as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise

@@ -112,11 +112,12 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     register_configs()
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
-    code = precheck(sys.argv[1:], check)
+    rank = dist.torchrun_env()
+    is_main = rank is None or rank["rank"] == 0
+    code = precheck(sys.argv[1:], check, writes=is_main)
     if code:
         sys.exit(code)
-    rank = dist.torchrun_env()
-    if rank is not None and rank["rank"] != 0:
+    if not is_main:
         # Non-zero torchrun ranks still run Hydra (to compose the same config) but must write nothing.
         sys.argv += ["hydra.run.dir=.", "hydra.output_subdir=null", "hydra/hydra_logging=none"]
     _hydra_main()
