@@ -172,3 +172,22 @@ def test_only_the_writing_rank_checks_the_run_directory(tmp_path, monkeypatch):
         with pytest.raises(SystemExit):
             train_cli.main()
     assert seen == [True, False]
+
+
+def test_evaluate_never_downloads_into_a_data_root(tmp_path, capsys, monkeypatch):
+    """A --data-root is a dataset folder: a split missing there is an error naming the flag, with no network
+    call and nothing made inside the folder (no .part file, no multi30k/)."""
+    import urllib.request
+
+    ckpt = copy_checkpoint()
+    ckpt["config"]["data"]["name"] = "multi30k"
+    atomic_save(ckpt, tmp_path / "model.pt")
+    dataset = tmp_path / "dataset"
+    dataset.mkdir()
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: pytest.fail("network access attempted"))
+    before = tree_digest(tmp_path)
+    argv = [str(tmp_path / "model.pt"), "--split", "test_2017_flickr", "--data-root", str(dataset)]
+    assert evaluate.main(argv) == 2
+    assert_one_error_line(capsys.readouterr().err, "--split test_2017_flickr", "test_2017_flickr.de.gz",
+                          "point --data-root at", prog=evaluate.PROG)
+    assert tree_digest(tmp_path) == before

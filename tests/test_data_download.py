@@ -2,7 +2,10 @@
 import gzip
 import shutil
 import socket
+import threading
+import time
 import urllib.request
+from contextlib import contextmanager
 
 import pytest
 
@@ -58,7 +61,7 @@ def test_bad_checksum_leaves_no_file(tmp_path):
     with serve(tmp_path / "server") as (url, requests):
         with pytest.raises(DownloadError, match="sha256"):
             ensure_multi30k(root, ["train"], ["de"], url, checksums=table, progress=False, backoff_s=0)
-    assert list((root / "multi30k").iterdir()) == []  # neither the final name nor a temporary file
+    assert not (root / "multi30k").exists()  # neither the file, nor a temporary file, nor the folder made for it
     assert requests == ["/train.de.gz"]  # a wrong checksum is not retried
 
 
@@ -69,7 +72,7 @@ def test_server_unreachable_is_a_clear_error(tmp_path):
     with pytest.raises(DownloadError, match=rf"could not download http://127.0.0.1:{port}/val.de.gz.*offline"):
         ensure_multi30k(tmp_path, ["val"], ["de"], f"http://127.0.0.1:{port}", retries=2, backoff_s=0,
                         timeout_s=5, progress=False)
-    assert list((tmp_path / "multi30k").iterdir()) == []
+    assert not (tmp_path / "multi30k").exists()
 
 
 def test_retries_after_server_error(tmp_path):
@@ -150,3 +153,92 @@ def test_build_multi30k_downloads_once_then_runs_offline(tmp_path, monkeypatch):
     shutil.rmtree(cache_folder(cfg.data.cache_dir, tmp_path / "root"))  # the raw files alone must suffice offline
     dm = build_translation_data(cfg, FakeEnv(), None)
     assert len(dm.train) == 6
+
+
+@contextmanager
+def silent_server(send=b"", trickle_s=None):
+    """A loopback server that accepts every connection, sends `send`, then nothing more (or, with
+    `trickle_s`, one byte every `trickle_s` seconds): the network that drops packets rather than refusing."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    stop, conns = threading.Event(), []
+
+    def talk(conn):
+        conn.sendall(send)
+        while trickle_s is not None and not stop.wait(trickle_s):
+            try:
+                conn.sendall(b"x")
+            except OSError:
+                return
+
+    def accept():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            conns.append(conn)
+            threading.Thread(target=talk, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}", conns
+    finally:
+        stop.set()
+        server.close()
+        for conn in conns:
+            conn.close()
+
+
+def test_a_server_that_never_answers_times_out_each_attempt(tmp_path):
+    with silent_server() as (url, conns):
+        t0 = time.monotonic()
+        with pytest.raises(DownloadError, match=r"could not download .*timed out"):
+            ensure_multi30k(tmp_path / "root", ["val"], ["de"], url, retries=3, timeout_s=0.3, backoff_s=0,
+                            progress=False)
+        elapsed = time.monotonic() - t0
+    assert len(conns) == 3  # every attempt connected, and each gave up after its read timeout
+    assert 0.8 < elapsed < 10
+    assert not (tmp_path / "root").exists()  # no empty multi30k/ (nor root) left behind
+
+
+def test_the_deadline_bounds_all_attempts_together(tmp_path):
+    with silent_server() as (url, conns):
+        t0 = time.monotonic()
+        with pytest.raises(DownloadError, match="deadline"):
+            ensure_multi30k(tmp_path / "root", ["val"], ["de"], url, retries=1000, timeout_s=0.3, deadline_s=1.0,
+                            backoff_s=0, progress=False)
+        elapsed = time.monotonic() - t0
+    assert 0.9 < elapsed < 1.0 + 0.3 + 5  # the deadline, give or take one read timeout (and a slow machine)
+    assert 2 <= len(conns) < 1000
+
+
+def test_the_deadline_stops_a_trickle_that_never_trips_the_read_timeout(tmp_path):
+    header = b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n"
+    with silent_server(send=header, trickle_s=0.05) as (url, conns):
+        t0 = time.monotonic()
+        with pytest.raises(DownloadError, match="deadline.*kept in .*val.de.gz.part"):
+            ensure_multi30k(tmp_path / "root", ["val"], ["de"], url, retries=3, timeout_s=1.0, deadline_s=1.0,
+                            backoff_s=0, progress=False)
+        elapsed = time.monotonic() - t0
+    assert elapsed < 1.0 + 1.0 + 5
+    assert len(conns) == 1  # a deadline is not retried
+    part = tmp_path / "root" / "multi30k" / ".val.de.gz.part"
+    assert 0 < part.stat().st_size < 100000  # what came is kept for the next run to resume
+
+
+def test_a_read_only_dataset_folder_is_never_downloaded_into(tmp_path, monkeypatch):
+    """transformer-evaluate on a --data-root that lacks a split: an error naming the flag, and the folder
+    untouched (no .part file, no multi30k/ made inside it)."""
+    from transformer.data.translation import load_split
+    table = _synthetic_multi30k(tmp_path / "root")  # root holds the files directly: a shared dataset copy
+    for name, digest in table.items():
+        monkeypatch.setitem(download.MULTI30K_SHA256, name, digest)
+    _no_network(monkeypatch)
+    before = sorted(p.name for p in (tmp_path / "root").rglob("*"))
+    cfg = data_cfg(tmp_path, "multi30k")
+    assert load_split(cfg, "val", download=False)[1] == ["A dog runs .", "A dog number runs ."]
+    with pytest.raises(FileNotFoundError, match=r"has no test_2017_flickr.de.gz.*point --data-root at"):
+        load_split(cfg, "test_2017_flickr", download=False, root_key="--data-root")
+    assert sorted(p.name for p in (tmp_path / "root").rglob("*")) == before

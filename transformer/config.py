@@ -183,6 +183,10 @@ def check_data(d) -> None:
     _check(d.max_tokens > 0, "data.max_tokens", d.max_tokens, "must be > 0")
     _check(d.max_sentences is None or d.max_sentences > 0, "data.max_sentences", d.max_sentences, "must be > 0")
     _check(d.bad_pairs in ("skip", "error"), "data.bad_pairs", d.bad_pairs, "must be skip or error")
+    _check(d.download_retries >= 1, "data.download_retries", d.download_retries, "must be >= 1")
+    _check(d.download_timeout_s > 0, "data.download_timeout_s", d.download_timeout_s, "must be > 0")
+    _check(d.download_deadline_s is None or d.download_deadline_s > 0, "data.download_deadline_s",
+           d.download_deadline_s, "must be > 0 or null")
 
 
 def check_checkpoint(c) -> None:

@@ -4,7 +4,9 @@
     transformer-evaluate best.pt --src test.de --ref test.en --beam 5 --out-dir results/
 
 Splits are read with the data settings stored in the checkpoint (`data.name`, languages, `data.files`),
-`--data-root` replacing `data.root`. For each split NAME, OUT_DIR/NAME.hyp holds the detokenised
+`--data-root` replacing `data.root`. A data root, given here or stored in the checkpoint, is a dataset
+folder and only read: a split missing there is an error. Only the default cache (no data root at all) is
+downloaded into. For each split NAME, OUT_DIR/NAME.hyp holds the detokenised
 hypotheses (line k for source line k) and OUT_DIR/NAME.json the scores with sacreBLEU's signatures;
 OUT_DIR defaults to RUN/eval/ for a checkpoint under RUN/checkpoints/.
 """
@@ -79,10 +81,12 @@ def load_splits(args, ckpt: dict) -> List[Tuple[str, List[str], List[str]]]:
     from transformer.data.translation import load_split
 
     cfg = data_config(ckpt, args.data_root)
+    # Only the default cache is ever downloaded into; a folder the user named is a dataset, only read.
+    download = cfg.data.root is None
     out = []
     for name in args.split:
         try:
-            srcs, refs = load_split(cfg, name, progress=False)
+            srcs, refs = load_split(cfg, name, progress=False, download=download, root_key="--data-root")
         except (ValueError, OSError) as e:
             raise UsageError(f"--split {name}: {e}") from None
         out.append((name, srcs, refs))
@@ -96,7 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split name of the checkpoint's dataset, e.g. test_2016_flickr (repeatable)")
     p.add_argument("--src", help="source file, one sentence per line (instead of --split)")
     p.add_argument("--ref", help="reference file aligned with --src")
-    p.add_argument("--data-root", help="replaces the checkpoint's data.root (where Multi30k lives)")
+    p.add_argument("--data-root", help="replaces the checkpoint's data.root: a folder holding the dataset's "
+                   "files, only read (never downloaded into)")
     p.add_argument("--out-dir", help="where NAME.hyp and NAME.json go (default: RUN_DIR/eval)")
     add_decoding_args(p)
     return p

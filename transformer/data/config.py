@@ -32,7 +32,8 @@ class DataConfig:
     # transformer/data/download.py); a ROOT that already holds them is used offline.
     url: str = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw"
     download_retries: int = 4  # attempts per file, with exponential backoff (1 s, 2 s, 4 s, ...)
-    download_timeout_s: float = 60.0  # per network read
+    download_timeout_s: float = 60.0  # connecting, and each network read
+    download_deadline_s: Optional[float] = 3600.0  # one file, all attempts included; null: none
     # data=files: split name -> path prefix; files are PREFIX.SRC_LANG and PREFIX.TGT_LANG (optionally .gz)
     files: Dict[str, str] = field(default_factory=dict)
     train_split: str = "train"

@@ -12,7 +12,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Dict, Iterable, Optional
+from typing import Dict, Iterable, List, Optional
 
 from transformer.atomic import fsync_dir
 
@@ -71,37 +71,77 @@ def verify(path: Path, expected: str) -> None:
                          "delete it to download it again")
 
 
+class DeadlineExceeded(TimeoutError):
+    """The whole download (all attempts) took longer than its deadline."""
+
+
+def make_dirs(folder: Path) -> List[Path]:
+    """mkdir -p, returning the folders it made (deepest first), so a failure can take them back."""
+    made = []
+    while not folder.exists():
+        made.append(folder)
+        folder = folder.parent
+    if made:
+        made[0].mkdir(parents=True, exist_ok=True)
+    return made
+
+
+def remove_empty(folders: List[Path]) -> None:
+    for folder in folders:  # deepest first; stops at the first one that holds something
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 def fetch(url: str, dest: Path, sha256: Optional[str] = None, *, md5: Optional[str] = None, retries: int = 4,
-          timeout_s: float = 60.0, backoff_s: float = 1.0, progress: bool = True) -> str:
+          timeout_s: float = 60.0, deadline_s: Optional[float] = 3600.0, backoff_s: float = 1.0,
+          progress: bool = True, root_key: str = "data.root") -> str:
     """Downloads `url` to `dest`, which appears only once complete and, where a checksum is given, matching it.
     Returns the file's sha256.
 
     Bytes go to `.DEST.part` beside it; an interrupted transfer (a reset, a timeout, a killed process) is
     resumed from there with an HTTP Range request, by the next attempt or the next run. Network failures are
     retried `retries` times in all, waiting backoff_s * 2**k in between; a 404 or a checksum mismatch is not
-    retried (it would fail the same way again), and a mismatching file is deleted."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    retried (it would fail the same way again), and a mismatching file is deleted.
+
+    `timeout_s` bounds connecting and each read; `deadline_s` bounds the whole download, retries included
+    (a server that trickles a byte per minute never trips a read timeout), give or take one read timeout.
+    Folders made for `dest` are removed again when nothing was received."""
+    made = make_dirs(dest.parent)
     part = dest.parent / f".{dest.name}.part"
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
     done, last = False, None
     for attempt in range(max(1, retries)):
         if attempt:
-            time.sleep(backoff_s * 2 ** (attempt - 1))
+            pause = backoff_s * 2 ** (attempt - 1)
+            if deadline is not None and time.monotonic() + pause >= deadline:
+                last = DeadlineExceeded(f"no time left for attempt {attempt + 1} within the {deadline_s:g} s deadline "
+                                        "(data.download_deadline_s)")
+                break
+            time.sleep(pause)
         try:
-            _fetch_once(url, part, timeout_s, progress)
+            _fetch_once(url, part, timeout_s, progress, deadline)
             done = True
             break
         except urllib.error.HTTPError as e:
             last = e
             if e.code in (401, 403, 404, 410):
                 break
+        except DeadlineExceeded as e:
+            last = e
+            break
         except (urllib.error.URLError, OSError, TimeoutError, http.client.HTTPException) as e:  # refused, reset, ...
             last = e
         log.warning("download of %s failed (attempt %d/%d): %s", url, attempt + 1, retries, last)
     if not done:
+        if part.exists() and part.stat().st_size == 0:
+            part.unlink()
         kept = f"; the {part.stat().st_size} bytes received are kept in {part} and the next run resumes" \
             if part.exists() else ""
+        remove_empty(made)
         raise DownloadError(f"could not download {url}: {last}{kept}. To run offline, put the file at {dest} "
-                            "(or point data.root at a folder holding the dataset's files)")
+                            f"(or point {root_key} at a folder holding the dataset's files)")
     digests = {"sha256": hashlib.sha256(), "md5": hashlib.md5()}
     with open(part, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -110,6 +150,7 @@ def fetch(url: str, dest: Path, sha256: Optional[str] = None, *, md5: Optional[s
     for name, want in (("sha256", sha256), ("md5", md5)):
         if want is not None and digests[name].hexdigest() != want:
             part.unlink()
+            remove_empty(made)
             raise DownloadError(f"{url}: {name} is {digests[name].hexdigest()}, expected {want}; nothing was "
                                 f"written to {dest}")
     with open(part, "rb+") as f:
@@ -119,14 +160,24 @@ def fetch(url: str, dest: Path, sha256: Optional[str] = None, *, md5: Optional[s
     return digests["sha256"].hexdigest()
 
 
-def _fetch_once(url: str, part: Path, timeout_s: float, progress: bool) -> None:
+def _time_left(deadline: Optional[float], timeout_s: float) -> float:
+    """The socket timeout for the next connect or read: `timeout_s`, or less where the deadline is nearer."""
+    if deadline is None:
+        return timeout_s
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("the download deadline (data.download_deadline_s) passed")
+    return min(timeout_s, left)
+
+
+def _fetch_once(url: str, part: Path, timeout_s: float, progress: bool, deadline: Optional[float] = None) -> None:
     """Appends the rest of `url` to `part` (all of it when `part` is absent or the server ignores ranges)."""
     from tqdm import tqdm
 
     have = part.stat().st_size if part.exists() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
     try:
-        resp = urllib.request.urlopen(request, timeout=timeout_s)
+        resp = urllib.request.urlopen(request, timeout=_time_left(deadline, timeout_s))
     except urllib.error.HTTPError as e:
         if e.code == 416 and have:  # nothing left to send: the part is the whole file
             return
@@ -140,7 +191,11 @@ def _fetch_once(url: str, part: Path, timeout_s: float, progress: bool) -> None:
         with open(part, "ab" if resumed else "wb") as out, \
                 tqdm(total=total, initial=have if resumed else 0, unit="B", unit_scale=True, desc=part.name[1:-5],
                      disable=not progress, leave=False, mininterval=1.0) as bar:
-            for chunk in iter(lambda: resp.read(_CHUNK), b""):
+            while True:
+                _time_left(deadline, timeout_s)  # a read returns within timeout_s: the deadline overshoots by less
+                chunk = resp.read1(_CHUNK)  # one socket read (read() would wait for the whole 64 KiB of a trickle)
+                if not chunk:
+                    break
                 out.write(chunk)
                 bar.update(len(chunk))
             out.flush()
@@ -150,11 +205,13 @@ def _fetch_once(url: str, part: Path, timeout_s: float, progress: bool) -> None:
 
 
 def ensure_multi30k(root: Path, splits: Iterable[str], langs: Iterable[str], url: str, *, retries: int = 4,
-                    timeout_s: float = 60.0, backoff_s: float = 1.0, progress: bool = True,
-                    checksums: Optional[Dict[str, str]] = None) -> Dict[str, Path]:
+                    timeout_s: float = 60.0, deadline_s: Optional[float] = 3600.0, backoff_s: float = 1.0,
+                    progress: bool = True, checksums: Optional[Dict[str, str]] = None, download: bool = True,
+                    root_key: str = "data.root") -> Dict[str, Path]:
     """Paths of `{split}.{lang}.gz` under ROOT/multi30k, downloading (and verifying) what is missing.
 
-    Files already there are verified by hash only: no network call is made when all are present."""
+    Files already there are verified by hash only: no network call is made when all are present. With
+    `download=False` (a dataset folder a command only reads) a missing file is an error naming `root_key`."""
     table = MULTI30K_SHA256 if checksums is None else checksums
     # ROOT may itself be the folder of .gz files (a shared dataset copy) or the cache that holds multi30k/.
     folder = root if any((root / name).is_file() for name in table) else root / "multi30k"
@@ -168,9 +225,12 @@ def ensure_multi30k(root: Path, splits: Iterable[str], langs: Iterable[str], url
             path = folder / name
             if path.exists():
                 verify(path, table[name])
+            elif not download:
+                raise FileNotFoundError(f"{folder} has no {name}, and a dataset folder is only read here, never "
+                                        f"downloaded into: point {root_key} at a folder holding it")
             else:
                 log.info("downloading %s/%s to %s", url.rstrip("/"), name, path)
                 fetch(f"{url.rstrip('/')}/{name}", path, table[name], retries=retries, timeout_s=timeout_s,
-                      backoff_s=backoff_s, progress=progress)
+                      deadline_s=deadline_s, backoff_s=backoff_s, progress=progress, root_key=root_key)
             out[name] = path
     return out

@@ -27,14 +27,18 @@ log = logging.getLogger(__name__)
 _BAD_INPUT = (DownloadError, FileNotFoundError, ValueError)  # most specific first
 
 
-def split_files(cfg, split: str, progress: bool = True) -> Tuple[Path, Path]:
-    """(source file, target file) of `split`, downloading Multi30k files that are not there yet."""
+def split_files(cfg, split: str, progress: bool = True, download: bool = True,
+                root_key: str = "data.root") -> Tuple[Path, Path]:
+    """(source file, target file) of `split`, downloading Multi30k files that are not there yet (unless
+    `download` is False: then a missing file is an error whose hint names `root_key`)."""
     d = cfg.data
     if d.src_lang == d.tgt_lang:
         raise ValueError(f"data.src_lang and data.tgt_lang are both {d.src_lang!r}")
     if d.name == "multi30k":
         paths = ensure_multi30k(data_root(d.root), [split], [d.src_lang, d.tgt_lang], d.url,
-                                retries=d.download_retries, timeout_s=d.download_timeout_s, progress=progress)
+                                retries=d.download_retries, timeout_s=d.download_timeout_s,
+                                deadline_s=d.download_deadline_s, progress=progress, download=download,
+                                root_key=root_key)
         return paths[multi30k_file(split, d.src_lang)], paths[multi30k_file(split, d.tgt_lang)]
     if d.name == "files":
         files = d.files or {}
@@ -43,14 +47,19 @@ def split_files(cfg, split: str, progress: bool = True) -> Tuple[Path, Path]:
                              f"pass data.files.{split}=PATH_PREFIX for PATH_PREFIX.{d.src_lang} / .{d.tgt_lang}")
         return resolve(files[split], d.src_lang), resolve(files[split], d.tgt_lang)
     if d.name == "wmt14":
-        from transformer.data.wmt14 import wmt14_files
+        from transformer.data.wmt14 import PREPARED, wmt14_files
+        folder = data_root(d.root) / "wmt14"
+        if not download and not (folder / PREPARED).is_file():
+            raise FileNotFoundError(f"{folder} holds no prepared WMT14 ({PREPARED}), and a dataset folder is only "
+                                    f"read here, never downloaded into: point {root_key} at a folder holding it")
         return wmt14_files(d, split, progress)
     raise ValueError(f"data.name={d.name!r}: translation data is multi30k, files or wmt14")
 
 
-def load_split(cfg, name: str, progress: bool = True) -> Tuple[List[str], List[str]]:
+def load_split(cfg, name: str, progress: bool = True, download: bool = True,
+               root_key: str = "data.root") -> Tuple[List[str], List[str]]:
     """Raw (source, target) sentences of any split, e.g. `test_2016_flickr`, unfiltered and in file order."""
-    src_path, tgt_path = split_files(cfg, name, progress)
+    src_path, tgt_path = split_files(cfg, name, progress, download, root_key)
     return read_parallel(src_path, tgt_path)
 
 

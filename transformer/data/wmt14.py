@@ -75,7 +75,7 @@ def _download(folder: Path, d, name: str, progress: bool) -> Path:
         url = f"{d.url.rstrip('/')}/{archive.path}"
         log.info("downloading %s to %s", url, path)
         digest = fetch(url, path, md5=archive.md5, retries=d.download_retries, timeout_s=d.download_timeout_s,
-                       progress=progress)
+                       deadline_s=d.download_deadline_s, progress=progress)
         if archive.md5 is None and path.name not in records:
             records[path.name] = {"bytes": path.stat().st_size, "sha256": digest}
             write_text_atomic(record_file, json.dumps(records, indent=1) + "\n")
