@@ -3,6 +3,7 @@ loopback HTTP server serving small archives with the real statmt.org layout. No 
 import hashlib
 import io
 import json
+import socket
 import tarfile
 import urllib.request
 
@@ -152,6 +153,16 @@ def test_published_checksum_mismatch_keeps_nothing(tmp_path, server_root, monkey
     leftovers = [p.name for p in (tmp_path / "root" / "wmt14" / "archives").iterdir()]
     assert "test-full.tgz" not in leftovers and ".test-full.tgz.part" not in leftovers
     assert not (tmp_path / "root" / "wmt14" / "prepared.json").exists()
+
+
+def test_a_failed_first_download_leaves_no_empty_folders(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on once this socket closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = cfg_for(tmp_path, f"http://127.0.0.1:{port}", download_timeout_s=5)
+    with pytest.raises(DownloadError, match="could not download"):
+        wmt14.prepare_wmt14(cfg.data, progress=False)
+    assert not (tmp_path / "root").exists()  # neither root/, nor wmt14/, nor wmt14/archives/
 
 
 @pytest.mark.parametrize("src,tgt,kept", [

@@ -27,7 +27,7 @@ from typing import List, Optional, Tuple
 
 from transformer.atomic import atomic_open, write_text_atomic
 from transformer.data.corpus import count_pairs, iter_lines, iter_pairs
-from transformer.data.download import data_root, fetch, sha256_file
+from transformer.data.download import DownloadError, data_root, fetch, make_dirs, remove_empty, sha256_file
 
 log = logging.getLogger(__name__)
 LANGS = ("de", "en")
@@ -179,11 +179,15 @@ def prepare_wmt14(d, progress: bool = True) -> Path:
         done.unlink()  # other cleaning settings, or files changed: prepare again from the raw files
         for name in ("train.de", "train.en"):
             (folder / name).unlink(missing_ok=True)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, archive in ARCHIVES.items():
-        members = _members(archive)
-        if any(not _raw(folder, m).exists() for m in members):
-            _extract(folder, _download(folder, d, name, progress), members)
+    made = make_dirs(folder)
+    try:
+        for name, archive in ARCHIVES.items():
+            members = _members(archive)
+            if any(not _raw(folder, m).exists() for m in members):
+                _extract(folder, _download(folder, d, name, progress), members)
+    except DownloadError:
+        remove_empty(made)  # a first download that failed leaves no empty wmt14/ behind
+        raise
     counts = _clean_train(folder, d, progress)
     for lang in LANGS:
         counts[f"newstest2013.{lang}"] = _sgm_to_text(_raw(folder, f"test/newstest2013-src.{lang}.sgm"),
