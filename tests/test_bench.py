@@ -97,3 +97,20 @@ def test_bench_compiled_model_uses_one_graph_for_all_batch_shapes(tmp_path):
                      "bench.warmup=3", "bench.steps=4"))
     assert r["compile"] is True and r["pad_to_multiple"] == 8
     assert r["graphs"] == 1 and r["graphs_during_timed"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_bench_under_torchrun_reports_the_whole_job(tmp_path):
+    """Two gloo workers: tokens/s summed over both, the statistics all-reduce timed, one report (rank 0)."""
+    from tests.helpers.dist import env_for, torchrun_cmd
+
+    cmd = torchrun_cmd(*TINY, "trainer.accelerator=cpu")
+    cmd[cmd.index("transformer.train")] = "transformer.cli.bench"
+    res = subprocess.run(cmd, cwd=tmp_path, env=env_for(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone reports
+    r = json.loads(lines[0])
+    assert r["workers"] == 2 and r["communication_ms"] is not None and r["communication_ms"] >= 0
+    assert r["sentences_per_s"] > 0 and list(tmp_path.iterdir()) == []

@@ -134,3 +134,15 @@ def test_progress_total_counts_optimizer_steps_of_max_epochs(tmp_path):
     assert make_trainer(tmp_path, "trainer.max_epochs=3", "trainer.max_steps=5")._total_steps() == 5
     steps = make_trainer(tmp_path, "trainer.max_epochs=1", "trainer.max_steps=10000")._total_steps()
     assert steps == n
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 0), None), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
+def test_auto_precision_uses_bf16_only_where_the_gpu_has_it_natively(monkeypatch, capability, expected):
+    """A V100 (7.0) reports torch.cuda.is_bf16_supported() but only emulates bf16: auto means fp32 there."""
+    from transformer.training.trainer import autocast_dtype
+
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert autocast_dtype("auto", torch.device("cuda")) is expected
+    assert autocast_dtype("bf16", torch.device("cuda")) is torch.bfloat16  # asked for explicitly: as asked
+    assert autocast_dtype("auto", torch.device("cpu")) is None

@@ -55,7 +55,7 @@ def compute_type(trainer) -> str:
     """The number format the matrix products run in: autocast's, else TF32 where it is on, else fp32."""
     if trainer.amp_dtype is not None:
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}[trainer.amp_dtype]
-    if trainer.env.device.type == "cuda" and torch.get_float32_matmul_precision() != "highest":
+    if speedups.native_bf16_tf32(trainer.env.device) and torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "fp32"
 

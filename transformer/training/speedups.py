@@ -23,6 +23,12 @@ def configure_backends(tcfg, device: torch.device) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 
+def native_bf16_tf32(device: torch.device) -> bool:
+    """Ampere or newer (or ROCm): bf16 and TF32 in hardware. torch.cuda.is_bf16_supported() also says yes
+    where bf16 is only emulated (a V100), which would make precision=auto slower than fp32 there."""
+    return device.type == "cuda" and (bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8)
+
+
 def pad_multiple(tcfg) -> int:
     """trainer.pad_to_multiple, or its default: 8 under torch.compile (fewer distinct shapes, tensor-core
     friendly lengths), 1 (no padding) in eager mode, where every extra position is wasted work."""

@@ -43,7 +43,7 @@ def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype
     if device.type != "cuda" or precision == "fp32":
         return None
     if precision == "auto":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else None
+        return torch.bfloat16 if speedups.native_bf16_tf32(device) else None
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
