@@ -165,6 +165,25 @@ def test_a_failed_first_download_leaves_no_empty_folders(tmp_path):
     assert not (tmp_path / "root").exists()  # neither root/, nor wmt14/, nor wmt14/archives/
 
 
+def test_a_read_only_data_root_is_never_prepared_or_changed(tmp_path, server_root, monkeypatch):
+    """transformer-evaluate's rule for WMT14: a folder not prepared (or prepared with other cleaning settings)
+    is an error naming the flag, with no network call and nothing in the folder changed."""
+    with serve_ranges(server_root) as (url, _):
+        cfg = cfg_for(tmp_path, url)
+        with pytest.raises(FileNotFoundError, match=r"holds no prepared WMT14.*point --data-root at"):
+            load_split(cfg, "newstest2014", download=False, root_key="--data-root")
+        assert not (tmp_path / "root").exists()
+        wmt14.prepare_wmt14(cfg.data, progress=False)
+    monkeypatch.setattr(urllib.request, "urlopen", lambda *a, **k: pytest.fail("network access attempted"))
+    folder = tmp_path / "root" / "wmt14"
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    assert load_split(cfg, "newstest2014", download=False)[0] == [f"src en {i}" for i in range(4)]
+    cfg.data.wmt14.max_words = 19  # other cleaning settings: a writable root would prepare again
+    with pytest.raises(FileNotFoundError, match="for these settings"):
+        load_split(cfg, "newstest2014", download=False, root_key="--data-root")
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
+
+
 @pytest.mark.parametrize("src,tgt,kept", [
     ("a  b\tc ", " x y z", ("a b c", "x y z")), ("", "x", None), ("a b c d", "x y", None),
     ("a b c", "x y", ("a b c", "x y")),

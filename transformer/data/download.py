@@ -95,7 +95,7 @@ def remove_empty(folders: List[Path]) -> None:
 
 
 def fetch(url: str, dest: Path, sha256: Optional[str] = None, *, md5: Optional[str] = None, retries: int = 4,
-          timeout_s: float = 60.0, deadline_s: Optional[float] = 3600.0, backoff_s: float = 1.0,
+          timeout_s: float = 60.0, deadline_s: Optional[float] = None, backoff_s: float = 1.0,
           progress: bool = True, root_key: str = "data.root") -> str:
     """Downloads `url` to `dest`, which appears only once complete and, where a checksum is given, matching it.
     Returns the file's sha256.
@@ -105,8 +105,9 @@ def fetch(url: str, dest: Path, sha256: Optional[str] = None, *, md5: Optional[s
     retried `retries` times in all, waiting backoff_s * 2**k in between; a 404 or a checksum mismatch is not
     retried (it would fail the same way again), and a mismatching file is deleted.
 
-    `timeout_s` bounds connecting and each read; `deadline_s` bounds the whole download, retries included
-    (a server that trickles a byte per minute never trips a read timeout), give or take one read timeout.
+    `timeout_s` bounds connecting and each read; `deadline_s` (None: no bound; the commands pass
+    data.download_deadline_s) bounds the whole download, retries included (a server that trickles a byte
+    per minute never trips a read timeout), give or take one read timeout.
     Folders made for `dest` are removed again when nothing was received."""
     made = make_dirs(dest.parent)
     part = dest.parent / f".{dest.name}.part"
@@ -205,7 +206,7 @@ def _fetch_once(url: str, part: Path, timeout_s: float, progress: bool, deadline
 
 
 def ensure_multi30k(root: Path, splits: Iterable[str], langs: Iterable[str], url: str, *, retries: int = 4,
-                    timeout_s: float = 60.0, deadline_s: Optional[float] = 3600.0, backoff_s: float = 1.0,
+                    timeout_s: float = 60.0, deadline_s: Optional[float] = None, backoff_s: float = 1.0,
                     progress: bool = True, checksums: Optional[Dict[str, str]] = None, download: bool = True,
                     root_key: str = "data.root") -> Dict[str, Path]:
     """Paths of `{split}.{lang}.gz` under ROOT/multi30k, downloading (and verifying) what is missing.

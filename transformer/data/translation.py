@@ -47,12 +47,8 @@ def split_files(cfg, split: str, progress: bool = True, download: bool = True,
                              f"pass data.files.{split}=PATH_PREFIX for PATH_PREFIX.{d.src_lang} / .{d.tgt_lang}")
         return resolve(files[split], d.src_lang), resolve(files[split], d.tgt_lang)
     if d.name == "wmt14":
-        from transformer.data.wmt14 import PREPARED, wmt14_files
-        folder = data_root(d.root) / "wmt14"
-        if not download and not (folder / PREPARED).is_file():
-            raise FileNotFoundError(f"{folder} holds no prepared WMT14 ({PREPARED}), and a dataset folder is only "
-                                    f"read here, never downloaded into: point {root_key} at a folder holding it")
-        return wmt14_files(d, split, progress)
+        from transformer.data.wmt14 import wmt14_files
+        return wmt14_files(d, split, progress, download, root_key)
     raise ValueError(f"data.name={d.name!r}: translation data is multi30k, files or wmt14")
 
 

@@ -165,17 +165,23 @@ def _outputs() -> list:
             + [f"newstest2014-{kind}.{lang}" for kind in ("src", "ref") for lang in LANGS])
 
 
-def prepare_wmt14(d, progress: bool = True) -> Path:
-    """ROOT/wmt14 with every file ready (see the module docstring); only checks sizes once it is."""
+def prepare_wmt14(d, progress: bool = True, download: bool = True, root_key: str = "data.root") -> Path:
+    """ROOT/wmt14 with every file ready (see the module docstring); only checks sizes once it is. With
+    `download=False` (a dataset folder a command only reads) a folder not ready is an error naming `root_key`,
+    and nothing in it is changed."""
     folder = data_root(d.root) / "wmt14"
     settings = {"max_words": d.wmt14.max_words, "max_ratio": d.wmt14.max_ratio}
     done = folder / PREPARED
-    if done.is_file():
-        prepared = json.loads(done.read_text())
+    prepared = json.loads(done.read_text()) if done.is_file() else None
+    if prepared is not None:
         intact = all((folder / n).is_file() and (folder / n).stat().st_size == f["bytes"]
                      for n, f in prepared["files"].items())
         if prepared.get("clean") == settings and intact:
             return folder
+    if not download:
+        raise FileNotFoundError(f"{folder} holds no prepared WMT14 ({PREPARED}) for these settings, and a dataset "
+                                f"folder is only read here, never written to: point {root_key} at a folder holding it")
+    if prepared is not None:
         done.unlink()  # other cleaning settings, or files changed: prepare again from the raw files
         for name in ("train.de", "train.en"):
             (folder / name).unlink(missing_ok=True)
@@ -200,14 +206,15 @@ def prepare_wmt14(d, progress: bool = True) -> Path:
     return folder
 
 
-def wmt14_files(d, split: str, progress: bool = True) -> Tuple[Path, Path]:
+def wmt14_files(d, split: str, progress: bool = True, download: bool = True,
+                root_key: str = "data.root") -> Tuple[Path, Path]:
     """(source file, target file) of `split` (train, newstest2013, newstest2014) in data.src_lang -> tgt_lang."""
     if {d.src_lang, d.tgt_lang} != set(LANGS):
         raise ValueError(f"data.src_lang={d.src_lang} data.tgt_lang={d.tgt_lang}: WMT14 here is en-de, either "
                          "direction")
     if split not in SPLITS:
         raise ValueError(f"data=wmt14 has no split {split!r} (splits: {', '.join(SPLITS)})")
-    folder = prepare_wmt14(d, progress)
+    folder = prepare_wmt14(d, progress, download, root_key)
     if split == "newstest2014":  # the source side from the source-language file, the reference from the other
         return folder / f"newstest2014-src.{d.src_lang}", folder / f"newstest2014-ref.{d.tgt_lang}"
     return folder / f"{split}.{d.src_lang}", folder / f"{split}.{d.tgt_lang}"
