@@ -47,10 +47,17 @@ def test_wrong_type_fails_with_full_key():
     ("model.N=0", "model.N"),
     ("trainer.accumulate=0", "trainer.accumulate"),
     ("trainer.devices=two", "trainer.devices"),
+    ("trainer.max_minutes=0", "trainer.max_minutes"),
 ])
 def test_semantic_checks_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         validate(compose_cfg(override))
+
+
+def test_a_run_needs_a_limit_and_minutes_are_one():
+    with pytest.raises(ConfigError, match="trainer.max_steps=None: set trainer.max_steps, trainer.max_epochs or"):
+        validate(compose_cfg("trainer.max_epochs=null", "trainer.max_steps=null"))
+    validate(compose_cfg("trainer.max_epochs=null", "trainer.max_steps=null", "trainer.max_minutes=60"))
 
 
 @pytest.mark.parametrize("override,message", [

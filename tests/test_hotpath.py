@@ -4,19 +4,29 @@ The GPU tier counts real synchronisations with torch.cuda.set_sync_debug_mode; h
 the operations that would synchronise on a GPU: scalar reads (item, float(), bool()), nonzero and boolean
 indexing, and Python-level tolist().
 """
+import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as torch_dist
+import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.test_trainer import make_trainer, ragged_pairs
+from tests.helpers.cli import compose_cfg, free_port
+from tests.test_trainer import SMALL, make_trainer, ragged_pairs
 from transformer.data.batch import PAD, collate
+from transformer.data.copy import CopyData
+from transformer.dist import DistEnv
 from transformer.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
+from transformer.model import Transformer
+from transformer.tasks import build_task
 from transformer.training.hotpath import LaggedFlag, TrainWindow
 from transformer.training.loss import label_smoothed_cross_entropy
+from transformer.training.trainer import Trainer
 
 aten = torch.ops.aten
 HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
@@ -149,6 +159,34 @@ def test_stop_signal_stops_all_ranks_one_step_late_with_a_checkpoint(tmp_path, m
     assert t.train() == PREEMPTED_EXIT_CODE
     assert t.step == 4
     assert [s for s, _ in t.checkpointer.step_files()] == [4]
+
+
+def _late_worker(rank: int, port: int, run_dir: str):
+    torch.set_num_threads(1)
+    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        cfg = compose_cfg(*SMALL, "trainer.max_minutes=1", "trainer.max_epochs=null", "trainer.max_steps=null",
+                          "trainer.val_every=1000", "checkpoint.every_steps=1000")
+        data = CopyData(cfg, cfg.seed, rank, 2)
+        torch.manual_seed(0)
+        model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+        t = Trainer(cfg, DistEnv(rank, rank, 2), model, data, build_task(cfg), Path(run_dir))
+        # Only rank 1's clock passes the limit (after 3 steps); rank 0's never does.
+        t.clock.seconds = (lambda: 60.0 * (t.step >= 3)) if rank == 1 else (lambda: 0.0)
+        code = t.train()
+        Path(run_dir, f"rank{rank}.json").write_text(json.dumps({"code": code, "step": t.step}))
+        t.close()
+    finally:
+        torch_dist.destroy_process_group()
+
+
+@pytest.mark.distributed
+def test_max_minutes_on_one_rank_ends_every_rank_at_the_same_step(tmp_path):
+    """The late flag is all-reduced like the stop flag: a rank whose clock is not late stops with the one that
+    is (otherwise it would wait in the next collective until trainer.timeout_s)."""
+    mp.start_processes(_late_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert got == [{"code": 0, "step": 5}] * 2
 
 
 def test_padding_to_a_multiple_changes_neither_loss_nor_gradients(tmp_path):

@@ -1,4 +1,5 @@
 import copy
+import json
 
 import numpy as np
 import pytest
@@ -146,3 +147,20 @@ def test_auto_precision_uses_bf16_only_where_the_gpu_has_it_natively(monkeypatch
     assert autocast_dtype("auto", torch.device("cuda")) is expected
     assert autocast_dtype("bf16", torch.device("cuda")) is torch.bfloat16  # asked for explicitly: as asked
     assert autocast_dtype("auto", torch.device("cpu")) is None
+
+
+def test_max_minutes_ends_the_run_normally_at_the_same_step_on_every_rank(tmp_path):
+    """trainer.max_minutes: the step whose clock is past the limit raises the late flag; like the stop flag it
+    is read one step late (every rank reads the same all-reduced value), and the run then ends as max_steps
+    ends it: validation, a checkpoint, exit code 0 and the end-of-run evaluation."""
+    t = make_trainer(tmp_path, "trainer.max_minutes=1", "trainer.max_epochs=null", "trainer.max_steps=null",
+                     "trainer.val_every=1000", "checkpoint.every_steps=1000")
+    t.clock.seconds = lambda: 60.0 * (t.step >= 3)  # minute 1 is over once 3 steps have run
+    assert t.train() == 0
+    assert t.step == 5  # step 4 saw the limit, step 5 read its flag
+    ckpt = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert ckpt["trainer"]["step"] == 5
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if x["split"] == "valid"] == [5]
+    assert [x["eta_s"] for x in lines if x["split"] == "train"] == [0.0]  # the ETA counts the minutes left
+

@@ -52,6 +52,7 @@ class OptimConfig:
 class TrainerConfig:
     max_steps: Optional[int] = None  # optimiser steps; None = no limit
     max_epochs: Optional[int] = 20
+    max_minutes: Optional[float] = None  # wall minutes of training and validation, over resumes; then a normal end
     accumulate: int = 1  # micro-batches per optimiser step
     clip_norm: Optional[float] = None
     label_smoothing: float = 0.1  # Section 5.4
@@ -160,8 +161,9 @@ def check_trainer(t) -> None:
     _check(t.accumulate >= 1, "trainer.accumulate", t.accumulate, "must be >= 1")
     _check(t.max_steps is None or t.max_steps > 0, "trainer.max_steps", t.max_steps, "must be > 0 or null")
     _check(t.max_epochs is None or t.max_epochs > 0, "trainer.max_epochs", t.max_epochs, "must be > 0 or null")
-    _check(t.max_steps is not None or t.max_epochs is not None, "trainer.max_steps", t.max_steps,
-           "set trainer.max_steps or trainer.max_epochs, or training never ends")
+    _check(t.max_minutes is None or t.max_minutes > 0, "trainer.max_minutes", t.max_minutes, "must be > 0 or null")
+    _check(t.max_steps is not None or t.max_epochs is not None or t.max_minutes is not None, "trainer.max_steps",
+           t.max_steps, "set trainer.max_steps, trainer.max_epochs or trainer.max_minutes, or training never ends")
     _check(t.clip_norm is None or t.clip_norm > 0, "trainer.clip_norm", t.clip_norm, "must be > 0 or null")
     _check(0 <= t.label_smoothing < 1, "trainer.label_smoothing", t.label_smoothing, "must be in [0, 1)")
     _check(t.val_every > 0, "trainer.val_every", t.val_every, "must be > 0")

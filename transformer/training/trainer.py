@@ -73,6 +73,7 @@ class Trainer:
         self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
         self.clock, self.quality = RunClock(), TimeToQuality(task.metrics().values())
+        self.late_flag, self.out_of_time = LaggedFlag(), False  # trainer.max_minutes, read like the stop flag
         self.ema = EMA(self.model, self.tcfg.ema_decay) if self.tcfg.ema_decay > 0 else None
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
         self.metrics = MetricsLogger(run_dir)
@@ -176,7 +177,7 @@ class Trainer:
     def _done(self) -> bool:
         t = self.tcfg
         return ((t.max_steps is not None and self.step >= t.max_steps)
-                or (t.max_epochs is not None and self.epoch >= t.max_epochs))
+                or (t.max_epochs is not None and self.epoch >= t.max_epochs) or self.out_of_time)
 
     def _loop(self, progress: Progress) -> int:
         window = TrainWindow()
@@ -217,7 +218,10 @@ class Trainer:
                 self.save(is_best)
                 if self._patience_over():
                     return 0
-        if not self._last_saved_is_current():  # stopped by max_steps mid-epoch
+        if self.out_of_time:
+            log.info("trainer.max_minutes=%g reached at step %d (%.1f min); a larger value (or null) on the same "
+                     "run directory trains on", self.tcfg.max_minutes, self.step, self.clock.seconds() / 60)
+        if not self._last_saved_is_current():  # stopped by max_steps or max_minutes mid-epoch
             self.save(self._validate_once())
         return 0
 
@@ -237,6 +241,7 @@ class Trainer:
         self.batch_index += len(micro)
         self.step += 1
         window.add(result)
+        self.out_of_time = self.late_flag.push(result.late)
         return result, stop_flag.push(result.stop)
 
     def _optimizer_step(self, micro) -> StepResult:
@@ -267,7 +272,8 @@ class Trainer:
             self.timer.mark("forward_backward")
         # Token count, loss sums and the stop flag travel in one tensor and one all-reduce.
         stop = self.stop_signal is not None
-        stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, stop))
+        late = self.tcfg.max_minutes is not None and self.clock.seconds() >= 60 * self.tcfg.max_minutes
+        stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, stop, late))
         if self.timer is not None:
             self.timer.mark("communication")
         self.scaler.unscale_(self.optimizer)
@@ -296,6 +302,9 @@ class Trainer:
             values["grad_norm"] = w["grad_norm"]
         if self.total_steps is not None:  # for logs read without the bar (SLURM, nohup): time left at this pace
             values["eta_s"] = max(self.total_steps - self.step, 0) * elapsed / max(w["steps"], 1)
+        if self.tcfg.max_minutes is not None:  # the time limit may come first
+            left = max(60 * self.tcfg.max_minutes - self.clock.seconds(), 0.0)
+            values["eta_s"] = min(values.get("eta_s", left), left)
         values.update(gpu_stats(self.env.device))
         self.metrics.log("train", self.step, self.epoch, **values)
         window.reset()
