@@ -54,7 +54,7 @@ def test_semantic_checks_name_the_key(override, key):
         validate(compose_cfg(override))
 
 
-def test_a_run_needs_a_limit_and_minutes_are_one():
+def test_a_run_needs_a_limit_and_max_minutes_is_one():
     with pytest.raises(ConfigError, match="trainer.max_steps=None: set trainer.max_steps, trainer.max_epochs or"):
         validate(compose_cfg("trainer.max_epochs=null", "trainer.max_steps=null"))
     validate(compose_cfg("trainer.max_epochs=null", "trainer.max_steps=null", "trainer.max_minutes=60"))

@@ -149,7 +149,7 @@ def test_auto_precision_uses_bf16_only_where_the_gpu_has_it_natively(monkeypatch
     assert autocast_dtype("auto", torch.device("cpu")) is None
 
 
-def test_max_minutes_ends_the_run_normally_at_the_same_step_on_every_rank(tmp_path):
+def test_max_minutes_ends_the_run_normally_one_step_late(tmp_path):
     """trainer.max_minutes: the step whose clock is past the limit raises the late flag; like the stop flag it
     is read one step late (every rank reads the same all-reduced value), and the run then ends as max_steps
     ends it: validation, a checkpoint, exit code 0 and the end-of-run evaluation."""
@@ -163,4 +163,3 @@ def test_max_minutes_ends_the_run_normally_at_the_same_step_on_every_rank(tmp_pa
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["split"] == "valid"] == [5]
     assert [x["eta_s"] for x in lines if x["split"] == "train"] == [0.0]  # the ETA counts the minutes left
-

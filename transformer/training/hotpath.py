@@ -9,10 +9,11 @@ line is logged. The gradients are normalised by its token count as a device tens
 host reads the flag of step s-1, whose all-reduce finished while step s was being queued, so the GPU
 always has a step of work in hand. Every rank reads the same all-reduced value after the same step, so
 all ranks stop together, at most two steps after the signal arrived. The late flag (some rank's run clock
-past `trainer.max_minutes`) travels the same way, so all ranks end the run at the same step.
+past `trainer.max_minutes`) sits beside it and is read in the same copy, so all ranks end the run at the same
+step.
 """
 import time
-from typing import Dict, List, NamedTuple, Optional
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -76,20 +77,21 @@ class TrainWindow:
 
 
 class LaggedFlag:
-    """A device flag read one push late without draining the GPU's queue: `push(flag)` starts an asynchronous
-    copy of `flag` into pinned host memory and returns the previous push's value, waiting (on its CUDA
-    event) only for the work queued before that copy. On the CPU the copy is a plain read."""
+    """Device flags read one push late without draining the GPU's queue: `push(flag)` starts an asynchronous
+    copy of `flag` (0-dim, or a vector of flags) into pinned host memory and returns the previous push's
+    value, waiting (on its CUDA event) only for the work queued before that copy. On the CPU the copy is a
+    plain read. A value is True where > 0: a bool for a 0-dim flag, a tuple of bools for a vector."""
 
     def __init__(self):
         self._buffers: List[torch.Tensor] = []
         self._pending = None  # (host tensor, event or None)
         self._turn = 0
 
-    def push(self, flag: torch.Tensor) -> bool:
-        previous = self._read()
+    def push(self, flag: torch.Tensor) -> Union[bool, Tuple[bool, ...]]:
+        previous = self._read() if self._pending is not None else _positive([0.0] * flag.numel(), flag.dim())
         if flag.is_cuda:
             if not self._buffers:  # two pinned buffers, used in turn: one is read while the other is written
-                self._buffers = [torch.empty((), dtype=flag.dtype, pin_memory=True) for _ in range(2)]
+                self._buffers = [torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True) for _ in range(2)]
             host = self._buffers[self._turn]
             self._turn ^= 1
             host.copy_(flag, non_blocking=True)
@@ -100,13 +102,16 @@ class LaggedFlag:
             self._pending = (flag, None)
         return previous
 
-    def _read(self) -> bool:
-        if self._pending is None:
-            return False
+    def _read(self) -> Union[bool, Tuple[bool, ...]]:
         host, event = self._pending
         if event is not None:
             event.synchronize()
-        return bool(host.item() > 0)  # a host tensor by now: no device round trip
+        return _positive(host.reshape(-1).tolist(), host.dim())  # a host tensor by now: no device round trip
+
+
+def _positive(values: List[float], dim: int) -> Union[bool, Tuple[bool, ...]]:
+    flags = tuple(v > 0 for v in values)
+    return flags if dim else flags[0]
 
 
 class StepTimer:

@@ -73,7 +73,7 @@ class Trainer:
         self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
         self.clock, self.quality = RunClock(), TimeToQuality(task.metrics().values())
-        self.late_flag, self.out_of_time = LaggedFlag(), False  # trainer.max_minutes, read like the stop flag
+        self.out_of_time = False  # trainer.max_minutes passed: read with the stop flag, one step late
         self.ema = EMA(self.model, self.tcfg.ema_decay) if self.tcfg.ema_decay > 0 else None
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
         self.metrics = MetricsLogger(run_dir)
@@ -241,8 +241,8 @@ class Trainer:
         self.batch_index += len(micro)
         self.step += 1
         window.add(result)
-        self.out_of_time = self.late_flag.push(result.late)
-        return result, stop_flag.push(result.stop)
+        stop, self.out_of_time = stop_flag.push(result.stats[3:])  # (stop, late), in one copy
+        return result, stop
 
     def _optimizer_step(self, micro) -> StepResult:
         """Forward/backward over K micro-batches, one gradient sync, one update. Loss is normalised by the
@@ -270,7 +270,7 @@ class Trainer:
             nll_sum += nll.detach()
         if self.timer is not None:
             self.timer.mark("forward_backward")
-        # Token count, loss sums and the stop flag travel in one tensor and one all-reduce.
+        # Token count, loss sums and the stop and late flags travel in one tensor and one all-reduce.
         stop = self.stop_signal is not None
         late = self.tcfg.max_minutes is not None and self.clock.seconds() >= 60 * self.tcfg.max_minutes
         stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, stop, late))
