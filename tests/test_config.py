@@ -48,6 +48,7 @@ def test_wrong_type_fails_with_full_key():
     ("trainer.accumulate=0", "trainer.accumulate"),
     ("trainer.devices=two", "trainer.devices"),
     ("trainer.max_minutes=0", "trainer.max_minutes"),
+    ("optim.anneal=1.0", "optim.anneal"),
 ])
 def test_semantic_checks_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -58,6 +59,12 @@ def test_a_run_needs_a_limit_and_max_minutes_is_one():
     with pytest.raises(ConfigError, match="trainer.max_steps=None: set trainer.max_steps, trainer.max_epochs or"):
         validate(compose_cfg("trainer.max_epochs=null", "trainer.max_steps=null"))
     validate(compose_cfg("trainer.max_epochs=null", "trainer.max_steps=null", "trainer.max_minutes=60"))
+
+
+def test_anneal_needs_the_run_length_in_steps_or_minutes():
+    with pytest.raises(ConfigError, match="optim.anneal=0.3: needs the run's length: set trainer.max_steps or"):
+        validate(compose_cfg("optim.anneal=0.3", "trainer.max_epochs=5"))
+    validate(compose_cfg("optim.anneal=0.3", "trainer.max_steps=100"))
 
 
 @pytest.mark.parametrize("override,message", [

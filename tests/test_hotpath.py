@@ -161,32 +161,37 @@ def test_stop_signal_stops_all_ranks_one_step_late_with_a_checkpoint(tmp_path, m
     assert [s for s, _ in t.checkpointer.step_files()] == [4]
 
 
-def _late_worker(rank: int, port: int, run_dir: str):
+def _late_worker(rank: int, port: int, run_dir: str, anneal: float):
     torch.set_num_threads(1)
     torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         cfg = compose_cfg(*SMALL, "trainer.max_minutes=1", "trainer.max_epochs=null", "trainer.max_steps=null",
-                          "trainer.val_every=1000", "checkpoint.every_steps=1000")
+                          "trainer.val_every=1000", "checkpoint.every_steps=1000", f"optim.anneal={anneal}")
         data = CopyData(cfg, cfg.seed, rank, 2)
         torch.manual_seed(0)
         model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
         t = Trainer(cfg, DistEnv(rank, rank, 2), model, data, build_task(cfg), Path(run_dir))
-        # Only rank 1's clock passes the limit (after 3 steps); rank 0's never does.
-        t.clock.seconds = (lambda: 60.0 * (t.step >= 3)) if rank == 1 else (lambda: 0.0)
+        # Only rank 1's clock passes the limit, or the start of the fall (after 3 steps); rank 0's never does.
+        seconds = 60.0 * (1 - anneal)
+        t.clock.seconds = (lambda: seconds * (t.step >= 3)) if rank == 1 else (lambda: 0.0)
         code = t.train()
-        Path(run_dir, f"rank{rank}.json").write_text(json.dumps({"code": code, "step": t.step}))
+        Path(run_dir, f"rank{rank}.json").write_text(json.dumps(
+            {"code": code, "step": t.step, "fall": [t.scheduler.anneal_start, t.scheduler.anneal_end]}))
         t.close()
     finally:
         torch_dist.destroy_process_group()
 
 
 @pytest.mark.distributed
-def test_max_minutes_on_one_rank_ends_every_rank_at_the_same_step(tmp_path):
-    """The late flag is all-reduced like the stop flag: a rank whose clock is not late stops with the one that
-    is (otherwise it would wait in the next collective until trainer.timeout_s)."""
-    mp.start_processes(_late_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+@pytest.mark.parametrize("anneal, step, fall", [(0.0, 5, [None, None]), (0.5, 10, [5, 10])])
+def test_time_flags_on_one_rank_act_on_every_rank_at_the_same_step(tmp_path, anneal, step, fall):
+    """The late and anneal flags are all-reduced like the stop flag. A rank whose clock is not late stops with
+    the one that is (otherwise it would wait in the next collective until trainer.timeout_s); a rank whose
+    clock has not reached optim.anneal's start begins the fall at the same step, over the same steps, so the
+    replicas keep one learning rate and end together."""
+    mp.start_processes(_late_worker, args=(free_port(), str(tmp_path), anneal), nprocs=2, start_method="spawn")
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert got == [{"code": 0, "step": 5}] * 2
+    assert got == [{"code": 0, "step": step, "fall": fall}] * 2
 
 
 def test_padding_to_a_multiple_changes_neither_loss_nor_gradients(tmp_path):

@@ -52,3 +52,55 @@ def test_no_smoothing_is_plain_cross_entropy_over_non_pad():
     ref = torch.nn.functional.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=0, reduction="sum")
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
     assert nll.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def _schedule(anneal=0.0):
+    return NoamSchedule(torch.optim.Adam([torch.nn.Parameter(torch.zeros(1))]), 64, 4, 1.0, anneal)
+
+
+def _rates(sched, steps):
+    rates = []
+    for _ in range(steps):
+        rates.append(sched.lr())
+        sched.step()
+    return rates
+
+
+def test_anneal_over_max_steps_falls_linearly_to_zero_at_the_last_step():
+    """optim.anneal=0.5 of max_steps=10: updates 1-6 use the Noam rate, 7-10 a fifth less each time, and
+    the rate after the 10th update (which no update uses) is 0: the run is over."""
+    sched = _schedule(anneal=0.5)
+    sched.plan_anneal(max_steps=10)
+    rates = _rates(sched, 9)
+    assert rates[:6] == pytest.approx([noam_lr(s, 64, 4) for s in range(1, 7)])
+    falls = zip(range(7, 10), (0.8, 0.6, 0.4), strict=True)
+    assert rates[6:] == pytest.approx([noam_lr(s, 64, 4) * f for s, f in falls])
+    assert not sched.annealed and sched.anneal_end == 10
+    sched.step()
+    assert sched.annealed and sched.lr() == 0.0
+
+
+def test_anneal_by_time_lasts_the_steps_the_rest_of_the_time_buys_and_resumes_exactly():
+    """anneal_now() at step 30 with anneal=0.25: the first 75% of the minutes took 30 steps, so the last 25%
+    gets 10. A schedule resumed mid-fall from state_dict() gives the same rates; optim.anneal=0 drops the fall."""
+    sched = _schedule(anneal=0.25)
+    _rates(sched, 30)
+    sched.anneal_now()
+    assert (sched.anneal_start, sched.anneal_end) == (30, 40)
+    sched.anneal_now()  # the flag stays raised on later steps: the fall is not restarted
+    assert sched.anneal_end == 40
+    _rates(sched, 4)
+    resumed, dropped = _schedule(anneal=0.25), _schedule(anneal=0.0)
+    resumed.load_state_dict(sched.state_dict())
+    dropped.load_state_dict(sched.state_dict())
+    assert _rates(resumed, 6) == _rates(sched, 6)
+    assert sched.annealed and resumed.annealed and not dropped.annealed
+    assert dropped.lr() == noam_lr(35, 64, 4)
+
+
+def test_anneal_by_time_comes_first_when_a_max_steps_fall_is_still_ahead():
+    sched = _schedule(anneal=0.5)
+    sched.plan_anneal(max_steps=100)
+    _rates(sched, 20)
+    sched.anneal_now()
+    assert (sched.anneal_start, sched.anneal_end) == (20, 40)

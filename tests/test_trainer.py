@@ -163,3 +163,19 @@ def test_max_minutes_ends_the_run_normally_one_step_late(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["split"] == "valid"] == [5]
     assert [x["eta_s"] for x in lines if x["split"] == "train"] == [0.0]  # the ETA counts the minutes left
+
+
+def test_anneal_by_time_starts_one_step_late_and_ends_the_run_when_the_rate_reaches_zero(tmp_path):
+    """optim.anneal=0.5 of trainer.max_minutes=1: step 4's clock passes minute 0.5; its flag, read after step 5,
+    starts the fall there, over the 5 steps that the first half of the time took. The run ends normally at
+    step 10, with the rate at 0, long before its time limit."""
+    t = make_trainer(tmp_path, "trainer.max_minutes=1", "optim.anneal=0.5", "trainer.max_epochs=null",
+                     "trainer.max_steps=null", "trainer.val_every=1000", "checkpoint.every_steps=1000")
+    t.clock.seconds = lambda: 30.0 * (t.step >= 3)
+    assert t.train() == 0
+    assert t.step == 10
+    ckpt = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert ckpt["scheduler"] == {"step_num": 10, "anneal_start": 5, "anneal_steps": 5}
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(x["step"], x["lr"], x["eta_s"]) for x in lines if x["split"] == "train"] == [(10, 0.0, 0.0)]
+    assert [x["step"] for x in lines if x["split"] == "valid"] == [10]

@@ -46,6 +46,7 @@ class OptimConfig:
     beta2: float = 0.98
     eps: float = 1e-9
     weight_decay: float = 0.0
+    anneal: float = 0.0  # the run's last fraction (of max_steps, or of max_minutes): the rate falls linearly to 0
 
 
 @dataclass
@@ -155,6 +156,7 @@ def check_optim(o) -> None:
     _check(o.warmup > 0, "optim.warmup", o.warmup, "must be > 0")
     _check(o.factor > 0, "optim.factor", o.factor, "must be > 0")
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1/beta2", (o.beta1, o.beta2), "must be in [0, 1)")
+    _check(0 <= o.anneal < 1, "optim.anneal", o.anneal, "must be in [0, 1)")
 
 
 def check_trainer(t) -> None:
@@ -213,6 +215,8 @@ def validate(cfg: DictConfig) -> None:
     check_model(cfg.model)
     check_optim(cfg.optim)
     check_trainer(cfg.trainer)
+    _check(cfg.optim.anneal == 0 or cfg.trainer.max_steps is not None or cfg.trainer.max_minutes is not None,
+           "optim.anneal", cfg.optim.anneal, "needs the run's length: set trainer.max_steps or trainer.max_minutes")
     check_data(cfg.data)
     check_checkpoint(cfg.checkpoint)
     check_eval(cfg.eval)

@@ -2,22 +2,22 @@
 
 On a GPU every `.item()`, `float(tensor)` or `.tolist()` stalls the CPU until the GPU has drained its
 queue, and the GPU then idles while the CPU prepares the next kernels. So the step's statistics stay
-on the device: one float64 tensor per step, `(target tokens, loss sum, nll sum, stop flag, late flag)`, all-reduced
-once (NCCL enqueues it; nothing waits), summed into a `TrainWindow` on the device and read only when a
+on the device: one float64 tensor per step, `(target tokens, loss sum, nll sum, stop, late, anneal flags)`,
+all-reduced once (NCCL enqueues it; nothing waits), summed into a `TrainWindow` on the device and read only when a
 line is logged. The gradients are normalised by its token count as a device tensor. The stop flag
 (SIGTERM/SIGUSR1 seen by any rank) is read through `LaggedFlag` one step late: at the end of step s the
 host reads the flag of step s-1, whose all-reduce finished while step s was being queued, so the GPU
 always has a step of work in hand. Every rank reads the same all-reduced value after the same step, so
 all ranks stop together, at most two steps after the signal arrived. The late flag (some rank's run clock
-past `trainer.max_minutes`) sits beside it and is read in the same copy, so all ranks end the run at the same
-step.
+past `trainer.max_minutes`) and the anneal flag (past the point where `optim.anneal` starts the rate's fall)
+sit beside it and are read in the same copy, so all ranks end the run, and start the fall, at the same step.
 """
 import time
 from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-STATS = ("tokens", "loss", "nll", "stop", "late")  # the entries of a step's statistics tensor
+STATS = ("tokens", "loss", "nll", "stop", "late", "anneal")  # the entries of a step's statistics tensor
 
 
 class StepResult(NamedTuple):
@@ -27,13 +27,14 @@ class StepResult(NamedTuple):
     nll: torch.Tensor
     stop: torch.Tensor  # > 0 when any rank received a stop signal before this step's all-reduce
     late: torch.Tensor  # > 0 when any rank's run clock was past trainer.max_minutes at this step
+    anneal: torch.Tensor  # > 0 when any rank's run clock was past (1 - optim.anneal) * trainer.max_minutes
     grad_norm: Optional[torch.Tensor]  # total gradient norm before clipping (trainer.clip_norm set)
-    stats: torch.Tensor  # (5,) float64: tokens, loss, nll, stop, late
+    stats: torch.Tensor  # (6,) float64: tokens, loss, nll, stop, late, anneal
 
 
 def new_stats(device: torch.device, tokens: int, loss: torch.Tensor, nll: torch.Tensor, stop: bool,
-              late: bool = False) -> torch.Tensor:
-    """(5,) float64 on `device`. Python numbers enter through fill_ (a kernel argument, not a host-to-device
+              late: bool = False, anneal: bool = False) -> torch.Tensor:
+    """(6,) float64 on `device`. Python numbers enter through fill_ (a kernel argument, not a host-to-device
     copy from pageable memory, which would wait for the GPU); the sums are device-to-device copies."""
     stats = torch.empty(len(STATS), dtype=torch.float64, device=device)
     stats[0].fill_(tokens)
@@ -41,11 +42,12 @@ def new_stats(device: torch.device, tokens: int, loss: torch.Tensor, nll: torch.
     stats[2].copy_(nll)
     stats[3].fill_(float(stop))
     stats[4].fill_(float(late))
+    stats[5].fill_(float(anneal))
     return stats
 
 
 def step_result(stats: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> StepResult:
-    return StepResult(stats[0], stats[1], stats[2], stats[3], stats[4], grad_norm, stats)
+    return StepResult(stats[0], stats[1], stats[2], stats[3], stats[4], stats[5], grad_norm, stats)
 
 
 class TrainWindow:

@@ -1,4 +1,7 @@
-"""Adam and the learning-rate schedule of Section 5.3."""
+"""Adam and the learning-rate schedule of Section 5.3, with an optional linear fall to zero at the end."""
+import math
+from typing import Optional
+
 import torch
 
 
@@ -10,15 +13,54 @@ def noam_lr(step: int, d_model: int, warmup: int, factor: float = 1.0) -> float:
 
 class NoamSchedule:
     """Sets the rate of every parameter group; stepped once per optimiser step, never per micro-batch
-    (the Annotated Transformer steps per micro-batch, so with accumulation its warmup is shorter than it says)."""
+    (the Annotated Transformer steps per micro-batch, so with accumulation its warmup is shorter than it says).
 
-    def __init__(self, optimizer: torch.optim.Optimizer, d_model: int, warmup: int, factor: float):
+    `optim.anneal` > 0: over the run's last fraction the Noam rate is multiplied by a factor falling linearly
+    from 1 to 0 (warmup-stable-decay). The inverse square root alone never anneals, so the last weights are
+    noisy; a fall to zero settles them. `start_anneal` fixes where the fall begins and how many steps it takes;
+    both are in the checkpoint, so a resumed run falls exactly as an uninterrupted one."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, d_model: int, warmup: int, factor: float,
+                 anneal: float = 0.0):
         self.optimizer, self.d_model, self.warmup, self.factor = optimizer, d_model, warmup, factor
+        self.anneal = anneal
         self.step_num = 0
+        self.anneal_start: Optional[int] = None  # the step at which the fall begins
+        self.anneal_steps = 0
         self._apply()
 
     def lr(self) -> float:
-        return noam_lr(self.step_num + 1, self.d_model, self.warmup, self.factor)
+        rate = noam_lr(self.step_num + 1, self.d_model, self.warmup, self.factor)
+        if self.anneal_start is None or self.step_num < self.anneal_start:
+            return rate
+        return rate * max(0.0, 1.0 - (self.step_num - self.anneal_start) / self.anneal_steps)
+
+    def start_anneal(self, start: int, steps: int) -> None:
+        self.anneal_start, self.anneal_steps = start, max(int(steps), 1)
+        self._apply()
+
+    def plan_anneal(self, max_steps: Optional[int]) -> None:
+        """A run of known length (trainer.max_steps) falls over its last `anneal * max_steps` steps."""
+        if self.anneal > 0 and max_steps is not None and self.anneal_start is None:
+            steps = max(round(self.anneal * max_steps), 1)
+            self.start_anneal(max_steps - steps, steps)
+
+    def anneal_now(self) -> None:
+        """A run of known minutes (trainer.max_minutes): called at the step whose clock passed
+        (1 - anneal) * max_minutes. The fall takes the steps that the rest of the time should buy at the
+        pace so far: step * anneal / (1 - anneal). With max_steps too, whichever point comes first."""
+        if self.anneal > 0 and (self.anneal_start is None or self.anneal_start > self.step_num):
+            self.start_anneal(self.step_num, math.ceil(self.step_num * self.anneal / (1 - self.anneal)))
+
+    @property
+    def anneal_end(self) -> Optional[int]:
+        """The step at which the rate reaches zero, once the fall is planned."""
+        return None if self.anneal_start is None else self.anneal_start + self.anneal_steps
+
+    @property
+    def annealed(self) -> bool:
+        """The fall has reached zero: further steps would not move the weights."""
+        return self.anneal_end is not None and self.step_num >= self.anneal_end
 
     def _apply(self) -> None:
         for group in self.optimizer.param_groups:
@@ -29,10 +71,13 @@ class NoamSchedule:
         self._apply()
 
     def state_dict(self) -> dict:
-        return {"step_num": self.step_num}
+        return {"step_num": self.step_num, "anneal_start": self.anneal_start, "anneal_steps": self.anneal_steps}
 
     def load_state_dict(self, state: dict) -> None:
         self.step_num = int(state["step_num"])
+        # A fall already begun is kept (absent from checkpoints of earlier versions); optim.anneal=0 drops it.
+        if self.anneal > 0 and state.get("anneal_start") is not None:
+            self.anneal_start, self.anneal_steps = int(state["anneal_start"]), int(state["anneal_steps"])
         self._apply()
 
 
@@ -44,4 +89,4 @@ def build_optimizer(model: torch.nn.Module, cfg_optim, d_model: int):
     kwargs = {"fused": True} if params and params[0].device.type in ("cuda", "cpu") else {}
     opt = torch.optim.Adam(params, lr=0.0, betas=(cfg_optim.beta1, cfg_optim.beta2), eps=cfg_optim.eps,
                            weight_decay=cfg_optim.weight_decay, **kwargs)
-    return opt, NoamSchedule(opt, d_model, cfg_optim.warmup, cfg_optim.factor)
+    return opt, NoamSchedule(opt, d_model, cfg_optim.warmup, cfg_optim.factor, cfg_optim.anneal)

@@ -23,10 +23,6 @@ from transformer.training.checkpoint import (
     FORMAT,
     Checkpointer,
     CheckpointError,
-    atomic_link,
-    atomic_save,
-    load_checkpoint,
-    model_weights,
 )
 from transformer.training.ema import EMA
 from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
@@ -34,6 +30,7 @@ from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.optim import build_optimizer
 from transformer.training.quality import RunClock, TimeToQuality
+from transformer.training.run_end import RunEnd
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +44,7 @@ def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-class Trainer:
+class Trainer(RunEnd):
     def __init__(self, cfg, env: DistEnv, model: torch.nn.Module, data, task: Task, run_dir: Optional[Path],
                  stop=None):
         """`stop` (launcher.StopRequest: `.signum` is set by SIGTERM/SIGUSR1) asks the run to end cleanly."""
@@ -140,6 +137,7 @@ class Trainer:
         if self._stop_before_start():
             return exit_codes.PREEMPTED
         self.clock.start()
+        self.scheduler.plan_anneal(self.tcfg.max_steps)  # after a resume: a fall already begun is kept
         self.total_steps = self._total_steps()
         progress = Progress(self.total_steps, self.step, self.tcfg.progress)
         try:
@@ -177,7 +175,16 @@ class Trainer:
     def _done(self) -> bool:
         t = self.tcfg
         return ((t.max_steps is not None and self.step >= t.max_steps)
-                or (t.max_epochs is not None and self.epoch >= t.max_epochs) or self.out_of_time)
+                or (t.max_epochs is not None and self.epoch >= t.max_epochs) or self.out_of_time
+                or self.scheduler.annealed)
+
+    def _time_flags(self) -> tuple:
+        """(late, anneal): this rank's run clock is past trainer.max_minutes, or past the start of the
+        rate's fall, (1 - optim.anneal) * max_minutes. Raised here, acted on once all-reduced."""
+        if self.tcfg.max_minutes is None:
+            return False, False
+        seconds, limit = self.clock.seconds(), 60 * self.tcfg.max_minutes
+        return seconds >= limit, self.cfg.optim.anneal > 0 and seconds >= limit * (1 - self.cfg.optim.anneal)
 
     def _loop(self, progress: Progress) -> int:
         window = TrainWindow()
@@ -218,6 +225,9 @@ class Trainer:
                 self.save(is_best)
                 if self._patience_over():
                     return 0
+        if self.scheduler.annealed and not self.out_of_time:
+            log.info("optim.anneal: the learning rate reached 0 at step %d (%.1f min)", self.step,
+                     self.clock.seconds() / 60)
         if self.out_of_time:
             log.info("trainer.max_minutes=%g reached at step %d (%.1f min); a larger value (or null) on the same "
                      "run directory trains on", self.tcfg.max_minutes, self.step, self.clock.seconds() / 60)
@@ -241,7 +251,9 @@ class Trainer:
         self.batch_index += len(micro)
         self.step += 1
         window.add(result)
-        stop, self.out_of_time = stop_flag.push(result.stats[3:])  # (stop, late), in one copy
+        stop, self.out_of_time, anneal = stop_flag.push(result.stats[3:])  # (stop, late, anneal), in one copy
+        if anneal:
+            self.scheduler.anneal_now()
         return result, stop
 
     def _optimizer_step(self, micro) -> StepResult:
@@ -270,10 +282,10 @@ class Trainer:
             nll_sum += nll.detach()
         if self.timer is not None:
             self.timer.mark("forward_backward")
-        # Token count, loss sums and the stop and late flags travel in one tensor and one all-reduce.
+        # Token count, loss sums and the stop, late and anneal flags travel in one tensor and one all-reduce.
         stop = self.stop_signal is not None
-        late = self.tcfg.max_minutes is not None and self.clock.seconds() >= 60 * self.tcfg.max_minutes
-        stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, stop, late))
+        late, anneal = self._time_flags()
+        stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, stop, late, anneal))
         if self.timer is not None:
             self.timer.mark("communication")
         self.scaler.unscale_(self.optimizer)
@@ -300,8 +312,9 @@ class Trainer:
                   "tokens_per_s": w["tokens"] / max(elapsed, 1e-9)}
         if grad_norm is not None:
             values["grad_norm"] = w["grad_norm"]
-        if self.total_steps is not None:  # for logs read without the bar (SLURM, nohup): time left at this pace
-            values["eta_s"] = max(self.total_steps - self.step, 0) * elapsed / max(w["steps"], 1)
+        ends = [s for s in (self.total_steps, self.scheduler.anneal_end) if s is not None]
+        if ends:  # for logs read without the bar (SLURM, nohup): time left at this pace
+            values["eta_s"] = max(min(ends) - self.step, 0) * elapsed / max(w["steps"], 1)
         if self.tcfg.max_minutes is not None:  # the time limit may come first
             left = max(60 * self.tcfg.max_minutes - self.clock.seconds(), 0.0)
             values["eta_s"] = min(values.get("eta_s", left), left)
@@ -384,73 +397,6 @@ class Trainer:
         if self.checkpointer is not None:
             path = self.checkpointer.save(state, self.step, is_best)
             log.info("checkpoint %s%s", path, " (best)" if is_best else "")
-
-    def average_last(self) -> None:
-        """checkpoint.average_last=K: the average of the last K checkpoints (as `transformer-average RUN --last
-        K` writes it) is saved as checkpoints/average_lastK.pt and scored on validation; if it beats the best
-        checkpoint on checkpoint.best_metric, best.pt becomes it. Collective."""
-        K = self.cfg.checkpoint.average_last
-        if K < 2:
-            return
-        path = self.env.broadcast_object(self._write_average(K))
-        if path is None:
-            return
-        self.model.load_state_dict(load_checkpoint(path)["model"])
-        values = self.scores()
-        self.metrics.log("average", self.step, self.epoch, **values, checkpoints=K)
-        if self._better(values[self.metric.name]):
-            self.best = values[self.metric.name]
-            self._link_best(path)
-
-    @rank_zero
-    def _write_average(self, K: int) -> Optional[str]:
-        if self.checkpointer is None or len(self.checkpointer.step_files()) < K:
-            log.warning("checkpoint.average_last=%d: fewer checkpoints than that were kept; nothing averaged", K)
-            return None
-        from transformer.training.averaging import average_checkpoints, last_checkpoints
-
-        out = self.checkpointer.folder / f"average_last{K}.pt"
-        atomic_save(average_checkpoints(last_checkpoints(self.run_dir, K)), out)
-        return str(out)
-
-    @rank_zero
-    def _link_best(self, path: str) -> None:
-        atomic_link(Path(path), self.checkpointer.folder / "best.pt")
-        log.info("best.pt is now %s (better %s than every single checkpoint)", path, self.metric.name)
-
-    def final_eval(self) -> None:
-        """The task's final scores (the copy task: accuracy on fresh sequences), with the weights of best.pt,
-        chosen on the validation split as for any model selection; then the figures."""
-        self.average_last()
-        best = self.checkpointer.folder / "best.pt" if self.checkpointer is not None else None
-        path = self.env.broadcast_object(str(best) if best is not None and best.is_file() else None)
-        if path is not None:
-            self.model.load_state_dict(model_weights(load_checkpoint(path)))
-        values = self.task.test(self.model, self.data, self.env)
-        if values:
-            self.metrics.log("test", self.step, self.epoch, **values, checkpoint="best" if path else "last")
-        self._log_figures()
-        self._summary(path)
-
-    @rank_zero
-    def _summary(self, best: Optional[str]) -> None:
-        chosen = self.checkpointer.target(Path(best)) if best else "no checkpoint"  # best.pt links to it
-        log.info("done: step %d, epoch %d, %.1f min | best %s=%s: %s (chosen by checkpoint.best_metric on the "
-                 "validation split) | time to quality: %s", self.step, self.epoch, self.clock.seconds() / 60,
-                 self.metric.name, f"{self.best:.4g}" if self.best is not None else "n/a", chosen,
-                 self.quality.summary())
-
-    @rank_zero
-    def _log_figures(self) -> None:
-        """Loss/score/rate curves and the attention maps of a validation sentence, as TensorBoard images
-        (`transformer-plot RUN_DIR` draws the same as PNG files)."""
-        if self.metrics.writer is None:
-            return
-        from transformer.training.plots import log_figures
-
-        log_figures(self.metrics.writer, run_dir=self.run_dir, cfg=to_container(self.cfg), model=self.model,
-                    tokenizer=self.data.tokenizer, sentence=self.task.sample_sentence(self.data), step=self.step,
-                    ev=self.cfg.eval)
 
     def close(self) -> None:
         self.metrics.close()
