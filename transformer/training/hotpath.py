@@ -25,11 +25,14 @@ class StepResult(NamedTuple):
     tokens: torch.Tensor  # target tokens of the global batch (all micro-batches, all ranks)
     loss: torch.Tensor  # label-smoothed loss summed over those tokens
     nll: torch.Tensor
-    stop: torch.Tensor  # > 0 when any rank received a stop signal before this step's all-reduce
-    late: torch.Tensor  # > 0 when any rank's run clock was past trainer.max_minutes at this step
-    anneal: torch.Tensor  # > 0 when any rank's run clock was past (1 - optim.anneal) * trainer.max_minutes
     grad_norm: Optional[torch.Tensor]  # total gradient norm before clipping (trainer.clip_norm set)
     stats: torch.Tensor  # (6,) float64: tokens, loss, nll, stop, late, anneal
+
+    @property
+    def flags(self) -> torch.Tensor:
+        """(3,) (stop, late, anneal), each > 0 when any rank raised it at this step: a stop signal received,
+        the run clock past trainer.max_minutes, past (1 - optim.anneal) * max_minutes. Read as one by LaggedFlag."""
+        return self.stats[3:]
 
 
 def new_stats(device: torch.device, tokens: int, loss: torch.Tensor, nll: torch.Tensor, stop: bool,
@@ -47,7 +50,7 @@ def new_stats(device: torch.device, tokens: int, loss: torch.Tensor, nll: torch.
 
 
 def step_result(stats: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> StepResult:
-    return StepResult(stats[0], stats[1], stats[2], stats[3], stats[4], stats[5], grad_norm, stats)
+    return StepResult(stats[0], stats[1], stats[2], grad_norm, stats)
 
 
 class TrainWindow:

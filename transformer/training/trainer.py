@@ -251,7 +251,7 @@ class Trainer(RunEnd):
         self.batch_index += len(micro)
         self.step += 1
         window.add(result)
-        stop, self.out_of_time, anneal = stop_flag.push(result.stats[3:])  # (stop, late, anneal), in one copy
+        stop, self.out_of_time, anneal = stop_flag.push(result.flags)  # one copy for the three
         if anneal:
             self.scheduler.anneal_now()
         return result, stop
