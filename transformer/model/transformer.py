@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from transformer.model.cache import DecoderCache
+from transformer.model.dropout import Dropout
 from transformer.model.layers import DecoderLayer, EncoderLayer
 from transformer.specials import PAD
 
@@ -67,7 +68,7 @@ class Embedding(nn.Module):
         self.scale = math.sqrt(d_model)
         # Not persistent: recomputed, so checkpoints stay small and max_positions can grow after training.
         self.register_buffer("pe", sinusoidal_positions(max_positions, d_model), persistent=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         T = ids.size(1)

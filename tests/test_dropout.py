@@ -1,0 +1,54 @@
+"""The CPU dropout (transformer/model/dropout.py): keep rate, scale, gradient, lanes, seeding, eval mode."""
+import pytest
+import torch
+
+from transformer.model.dropout import Dropout, keep_mask
+
+
+def test_keep_rate_and_scale_match_p():
+    torch.manual_seed(0)
+    p, n = 0.1, 1 << 20
+    mask = keep_mask(torch.Size([n]), p, torch.float32)
+    kept = mask > 0
+    # 1M draws: the keep rate's standard deviation is 3e-4, so 2e-3 is over six of them.
+    assert abs(kept.float().mean().item() - (1 - p)) < 2e-3
+    assert torch.all(mask[kept] == 65536 / (65536 - round(p * 65536)))
+    assert abs(mask.mean().item() - 1.0) < 3e-3  # E[out] = x
+
+
+def test_every_16_bit_lane_is_uniform():
+    """Each int64 draw feeds four elements in a row; each of the four positions must keep 1 - p of its elements
+    (a draw that stops at 2**63 - 1 would keep every fourth element with probability 1)."""
+    torch.manual_seed(1)
+    p, rows = 0.3, 1 << 18
+    kept = (keep_mask(torch.Size([rows, 4]), p, torch.float32) > 0).float().mean(0)  # (4,) per lane
+    assert torch.all((kept - (1 - p)).abs() < 4e-3), kept
+
+
+@pytest.mark.parametrize("shape", [(3, 5, 7), (1,), (2, 1, 6)])
+def test_gradient_uses_the_forward_mask(shape):
+    torch.manual_seed(2)
+    drop = Dropout(0.5).train()
+    x = torch.randn(shape, requires_grad=True)
+    out = drop(x)
+    out.sum().backward()
+    scale = torch.where(x != 0, out / x, torch.zeros_like(x))
+    assert torch.allclose(x.grad, scale.detach())
+    assert set(torch.unique(x.grad).tolist()) <= {0.0, 2.0}
+
+
+def test_seeded_and_identity_in_eval():
+    drop = Dropout(0.2)
+    x = torch.randn(64, 32)
+    torch.manual_seed(3)
+    a = drop(x)
+    torch.manual_seed(3)
+    assert torch.equal(a, drop(x))
+    assert not torch.equal(a, drop(x))  # the generator moved on
+    assert drop.eval()(x) is x
+    assert Dropout(0.0).train()(x) is x
+
+
+def test_bad_probability_is_refused():
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        Dropout(1.0)

@@ -1,0 +1,46 @@
+"""Dropout (paper Section 5.4, P_drop) that costs little on CPUs.
+
+On a CPU, `nn.Dropout` draws one Bernoulli sample per element, and that costs as much as the matrix product
+before it: 12.5% of a training step of `experiment=multi30k` on 2 cores (torch.profiler, `aten::bernoulli_`).
+Here one 64-bit random integer gives four 16-bit ones, and an element is kept when its 16 bits pass a
+threshold: 4-5x cheaper per call, the same expectation. P_drop is rounded to a multiple of 1/65536 (0.1 becomes
+0.1000061), and survivors are scaled by the exact inverse of the rounded keep rate, so E[out] = x still holds.
+Other devices keep torch's own dropout, which is already fast there.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_LEVELS = 1 << 16  # values of a 16-bit lane
+
+
+def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype) -> torch.Tensor:
+    """A (shape) tensor of 0 and 1 / (1 - p'), where p' = round(p * 65536) / 65536 is the drop rate used.
+
+    The draw spans the full int64 range: `random_()` alone stops at 2**63 - 1, which would leave every
+    fourth 16-bit lane non-negative and so keep too many elements there."""
+    n = shape.numel()
+    dropped = round(p * _LEVELS)
+    lanes = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None).view(torch.int16)
+    keep = lanes[:n].view(shape) >= dropped - (_LEVELS // 2)  # int16 runs from -32768: `dropped` values fail
+    return keep.to(dtype).mul_(_LEVELS / (_LEVELS - dropped))
+
+
+class Dropout(nn.Module):
+    """Drop-in for `nn.Dropout(p)` (no parameters, so checkpoints are unchanged): identity in eval mode."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if x.device.type != "cpu":
+            return F.dropout(x, self.p, training=True)
+        return x * keep_mask(x.shape, self.p, x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}"
