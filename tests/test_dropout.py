@@ -52,3 +52,11 @@ def test_seeded_and_identity_in_eval():
 def test_bad_probability_is_refused():
     with pytest.raises(ValueError, match=r"\[0, 1\)"):
         Dropout(1.0)
+
+
+def test_compiles_into_one_graph():
+    """Under torch.compile the module is torch's dropout, so a model that uses it traces as one graph."""
+    drop = Dropout(0.3).train()
+    compiled = torch.compile(drop, backend="eager", fullgraph=True)  # fullgraph: a graph break raises
+    out = compiled(torch.ones(4, 8))
+    assert torch.all((out == 0) | torch.isclose(out, torch.tensor(1 / 0.7)))

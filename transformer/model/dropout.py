@@ -5,7 +5,8 @@ before it: 12.5% of a training step of `experiment=multi30k` on 2 cores (torch.p
 Here one 64-bit random integer gives four 16-bit ones, and an element is kept when its 16 bits pass a
 threshold: 4-5x cheaper per call, the same expectation. P_drop is rounded to a multiple of 1/65536 (0.1 becomes
 0.1000061), and survivors are scaled by the exact inverse of the rounded keep rate, so E[out] = x still holds.
-Other devices keep torch's own dropout, which is already fast there.
+Other devices, and compiled graphs (whose generated code draws its own random numbers and would otherwise
+break at the int16 view), keep torch's own dropout.
 """
 import torch
 import torch.nn.functional as F
@@ -38,7 +39,7 @@ class Dropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
             return F.dropout(x, self.p, training=True)
         return x * keep_mask(x.shape, self.p, x.dtype)
 
