@@ -179,3 +179,19 @@ def test_anneal_by_time_starts_one_step_late_and_ends_the_run_when_the_rate_reac
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(x["step"], x["lr"], x["eta_s"]) for x in lines if x["split"] == "train"] == [(10, 0.0, 0.0)]
     assert [x["step"] for x in lines if x["split"] == "valid"] == [10]
+
+
+@pytest.mark.parametrize("epoch_end", [True, False])
+def test_val_epoch_end_false_leaves_epoch_ends_to_val_every(tmp_path, epoch_end):
+    """With val_every shorter than an epoch, an epoch end's validation nearly repeats the one before it:
+    trainer.val_epoch_end=false skips it (and its checkpoint). The run's end is still validated and saved."""
+    t = make_trainer(tmp_path, "trainer.max_epochs=3", "trainer.max_steps=null", "trainer.val_every=4",
+                     "checkpoint.every_steps=1000", f"trainer.val_epoch_end={epoch_end}")
+    n = t.data.num_train_batches(0)
+    assert t.train() == 0 and t.step == 3 * n and n % 4 != 0
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    validated = [x["step"] for x in lines if x["split"] == "valid"]
+    every = list(range(4, 3 * n, 4))
+    assert validated == (sorted(every + [n, 2 * n, 3 * n]) if epoch_end else every + [3 * n])
+    saved = sorted(int(p.stem.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*.pt"))
+    assert saved[-1] == 3 * n and (n in saved) == epoch_end

@@ -57,7 +57,8 @@ class TrainerConfig:
     accumulate: int = 1  # micro-batches per optimiser step
     clip_norm: Optional[float] = None
     label_smoothing: float = 0.1  # Section 5.4
-    val_every: int = 1000  # steps; validation also runs at every epoch end
+    val_every: int = 1000  # steps; validation also runs at every epoch end, unless val_epoch_end is false
+    val_epoch_end: bool = True  # false: an epoch end is neither validated nor checkpointed
     log_every: int = 50
     devices: str = "auto"  # auto | N: workers spawned by this process (ignored under torchrun)
     accelerator: str = "auto"  # auto | cpu | gpu

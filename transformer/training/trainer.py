@@ -221,10 +221,10 @@ class Trainer(RunEnd):
                     return 0
             if self.batch_index >= n:  # epoch complete (not cut short by max_steps)
                 self.epoch, self.batch_index = self.epoch + 1, 0
-                is_best = self._validate_once()
-                self.save(is_best)
-                if self._patience_over():
-                    return 0
+                if self.tcfg.val_epoch_end:  # off: val_every and checkpoint.every_steps alone pace both
+                    self.save(self._validate_once())
+                    if self._patience_over():
+                        return 0
         if self.scheduler.annealed and not self.out_of_time:
             log.info("optim.anneal: the learning rate reached 0 at step %d (%.1f min)", self.step,
                      self.clock.seconds() / 60)
