@@ -80,10 +80,29 @@ def test_validation_order_is_fixed():
     assert [b.tolist() for b in s.epoch_batches(0)] == [b.tolist() for b in s.epoch_batches(7)]
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_batches_grow_by_epoch(world_size):
+    """max_tokens_by_epoch=[300, 300, 600]: epochs 0-1 are planned exactly as with max_tokens=300, epoch 2 and
+    every later one as with 600 (half as many batches, each within 600 tokens, every example still once)."""
+    src, tgt = _sizes()
+    grow = [TokenBatchSampler(src, tgt, 4096, seed=5, rank=r, world_size=world_size,
+                              max_tokens_by_epoch=[300, 300, 600]) for r in range(world_size)]
+    small, big = (TokenBatchSampler(src, tgt, n, seed=5, world_size=world_size) for n in (300, 600))
+    for epoch, same in ((0, small), (1, small), (2, big), (5, big)):
+        assert [b.tolist() for b in grow[0].epoch_batches(epoch)] == [b.tolist() for b in same.epoch_batches(epoch)]
+        assert grow[0].num_batches(epoch) == same.num_batches(epoch)
+        ids = np.concatenate([b for g in grow for b in g.rank_batches(epoch)])
+        assert sorted(ids.tolist()) == list(range(len(src)))
+    assert max(_cost(b, src, tgt) for b in grow[0].epoch_batches(2)) > 300
+    assert grow[0].num_batches(2) < 0.6 * grow[0].num_batches(1)
+
+
 def test_errors():
     src, tgt = _sizes(10)
     with pytest.raises(ValueError, match="data.max_tokens=50 is smaller than the longest example"):
         TokenBatchSampler(src, tgt + 60, 50)
+    with pytest.raises(ValueError, match=r"data.max_tokens_by_epoch entry 50 is smaller than the longest example"):
+        TokenBatchSampler(src, tgt + 60, 500, max_tokens_by_epoch=[200, 50])
     with pytest.raises(ValueError, match="rank 2 is outside world size 2"):
         TokenBatchSampler(src, tgt, 500, rank=2, world_size=2)
     with pytest.raises(ValueError, match="10 examples cannot be shared by 11 workers"):

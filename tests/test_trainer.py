@@ -195,3 +195,12 @@ def test_val_epoch_end_false_leaves_epoch_ends_to_val_every(tmp_path, epoch_end)
     assert validated == (sorted(every + [n, 2 * n, 3 * n]) if epoch_end else every + [3 * n])
     saved = sorted(int(p.stem.split("_")[1]) for p in (tmp_path / "checkpoints").glob("step_*.pt"))
     assert saved[-1] == 3 * n and (n in saved) == epoch_end
+
+
+def test_batches_grow_by_epoch_in_training(tmp_path):
+    """data.max_tokens_by_epoch reaches the trainer: the second epoch's bigger batches make fewer steps."""
+    t = make_trainer(tmp_path, "trainer.max_epochs=2", "trainer.max_steps=null", "trainer.val_every=1000",
+                     "checkpoint.every_steps=1000", "data.max_tokens_by_epoch=[100,400]")
+    small, big = t.data.num_train_batches(0), t.data.num_train_batches(1)
+    assert big < small / 2
+    assert t.train() == 0 and t.step == small + big

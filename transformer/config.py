@@ -186,6 +186,8 @@ def check_trainer(t) -> None:
 
 def check_data(d) -> None:
     _check(d.max_tokens > 0, "data.max_tokens", d.max_tokens, "must be > 0")
+    _check(all(n > 0 for n in d.max_tokens_by_epoch), "data.max_tokens_by_epoch", list(d.max_tokens_by_epoch),
+           "must all be > 0")
     _check(d.max_sentences is None or d.max_sentences > 0, "data.max_sentences", d.max_sentences, "must be > 0")
     _check(d.bad_pairs in ("skip", "error"), "data.bad_pairs", d.bad_pairs, "must be skip or error")
     _check(d.download_retries >= 1, "data.download_retries", d.download_retries, "must be >= 1")

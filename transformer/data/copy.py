@@ -69,4 +69,5 @@ class CopyData(DataModule):
         train, valid = copy_split(c.train_size, c, seed), copy_split(c.val_size, c, seed + 1)
         self.test = copy_split(c.test_size, c, seed + 2)
         super().__init__(train, valid, CopyTokenizer(c.vocab_size), max_tokens=cfg.data.max_tokens,
-                         max_sentences=cfg.data.max_sentences, seed=seed, rank=rank, world_size=world_size)
+                         max_sentences=cfg.data.max_sentences, seed=seed, rank=rank, world_size=world_size,
+                         max_tokens_by_epoch=cfg.data.max_tokens_by_epoch)

@@ -20,13 +20,14 @@ class DataModule:
     def __init__(self, train: PairDataset, valid: PairDataset, tokenizer, *, max_tokens: int,
                  max_sentences: Optional[int], seed: int, rank: int, world_size: int, num_workers: int = 0,
                  pin_memory: bool = False, valid_refs: Optional[Sequence[str]] = None,
-                 valid_srcs: Optional[Sequence[str]] = None):
+                 valid_srcs: Optional[Sequence[str]] = None, max_tokens_by_epoch: Sequence[int] = ()):
         self.train, self.valid, self.tokenizer = train, valid, tokenizer
         self.rank, self.world_size = rank, world_size
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.valid_srcs, self.valid_refs = valid_srcs, valid_refs  # raw text of the valid split, for BLEU
         self.train_sampler = TokenBatchSampler(train.src_sizes, train.tgt_sizes, max_tokens, max_sentences,
-                                               seed=seed, rank=rank, world_size=world_size, shuffle=True)
+                                               seed=seed, rank=rank, world_size=world_size, shuffle=True,
+                                               max_tokens_by_epoch=max_tokens_by_epoch)
         self.valid_sampler = TokenBatchSampler(valid.src_sizes, valid.tgt_sizes, max_tokens, max_sentences,
                                                seed=seed, rank=rank, world_size=world_size, shuffle=False)
 

@@ -6,7 +6,7 @@ step sees the same micro-batches as one worker with `trainer.accumulate=W`. The 
 multiple of W by splitting the largest batches, so every example is seen exactly once per epoch
 and every rank has the same number of batches (no rank waits forever at the epoch end).
 """
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import numpy as np
 
@@ -14,20 +14,25 @@ import numpy as np
 class TokenBatchSampler:
     def __init__(self, src_sizes: np.ndarray, tgt_sizes: np.ndarray, max_tokens: int,
                  max_sentences: Optional[int] = None, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True):
+                 shuffle: bool = True, max_tokens_by_epoch: Sequence[int] = ()):
         """`*_sizes` are padded lengths (special tokens included). A batch of n pairs costs
-        n * max(longest source, longest target) tokens, which must stay <= max_tokens."""
+        n * max(longest source, longest target) tokens, which must stay <= max_tokens, or, where
+        `max_tokens_by_epoch` is given, <= its entry for the epoch (the last entry for later epochs)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.src_sizes = np.asarray(src_sizes, dtype=np.int64)
         self.tgt_sizes = np.asarray(tgt_sizes, dtype=np.int64)
         self.max_tokens, self.max_sentences = max_tokens, max_sentences or len(self.src_sizes)
+        self.max_tokens_by_epoch = list(max_tokens_by_epoch)
         self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
         self._cache: tuple = (None, None)
         longest = int(np.maximum(self.src_sizes, self.tgt_sizes).max(initial=0))
-        if longest > max_tokens:
-            raise ValueError(f"data.max_tokens={max_tokens} is smaller than the longest example ({longest} tokens): "
-                             "raise data.max_tokens or lower data.max_len")
+        by_epoch = self.max_tokens_by_epoch
+        key, what = ("data.max_tokens_by_epoch", f" entry {min(by_epoch)}") if by_epoch else ("data.max_tokens",
+                                                                                             f"={max_tokens}")
+        if longest > min(by_epoch or [max_tokens]):
+            raise ValueError(f"{key}{what} is smaller than the longest example ({longest} tokens): "
+                             f"raise {key} or lower data.max_len")
         if len(self.src_sizes) < world_size:
             raise ValueError(f"{len(self.src_sizes)} examples cannot be shared by {world_size} workers")
 
@@ -47,19 +52,25 @@ class TokenBatchSampler:
         bits = max(int(size.max(initial=0)).bit_length(), 1)
         key = (size << (2 * bits)) | (self.tgt_sizes << bits) | self.src_sizes
         order = order[np.argsort(key[order], kind="stable")]
-        batches = [order[a:b] for a, b in self._bounds(size[order])]
+        batches = [order[a:b] for a, b in self._bounds(size[order], self.tokens_of(epoch))]
         batches = self._split_to_multiple(batches)
         if self.shuffle:
             batches = [batches[j] for j in rng.permutation(len(batches))]
         self._cache = (epoch, batches)
         return batches
 
-    def _bounds(self, size: np.ndarray):
+    def tokens_of(self, epoch: int) -> int:
+        """The batch size in tokens of `epoch`. A function of the epoch alone, so a resumed run plans the
+        batches its first run would have."""
+        by_epoch = self.max_tokens_by_epoch
+        return by_epoch[min(epoch, len(by_epoch) - 1)] if by_epoch else self.max_tokens
+
+    def _bounds(self, size: np.ndarray, max_tokens: int):
         """Greedy packing of `size` (non-decreasing, so a batch's last example is its longest): a batch from
         `start` ends before the first i with (i - start + 1) * size[i] > max_tokens or more than
         max_sentences examples. With cap[i] = min(max_tokens // size[i], max_sentences), that first i is the
         first with i + 1 - cap[i] > start, and i + 1 - cap[i] is strictly increasing: a binary search."""
-        cap = np.minimum(self.max_tokens // np.maximum(size, 1), self.max_sentences)
+        cap = np.minimum(max_tokens // np.maximum(size, 1), self.max_sentences)
         reach = np.arange(1, len(size) + 1) - cap
         start = 0
         while start < len(size):

@@ -201,4 +201,5 @@ def build_translation_data(cfg, env, run_dir: Optional[Path] = None) -> DataModu
     return DataModule(splits["train"], splits["valid"], tokenizer,
                       max_tokens=cfg.data.max_tokens, max_sentences=cfg.data.max_sentences, seed=cfg.seed,
                       rank=env.rank, world_size=env.world_size, num_workers=num_workers,
-                      pin_memory=env.device.type == "cuda", valid_srcs=valid_srcs, valid_refs=valid_refs)
+                      pin_memory=env.device.type == "cuda", valid_srcs=valid_srcs, valid_refs=valid_refs,
+                      max_tokens_by_epoch=cfg.data.max_tokens_by_epoch)
