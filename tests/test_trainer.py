@@ -149,6 +149,40 @@ def test_auto_precision_uses_bf16_only_where_the_gpu_has_it_natively(monkeypatch
     assert autocast_dtype("auto", torch.device("cpu")) is None
 
 
+def test_bf16_on_cpu_autocasts_the_forward_pass_and_learns_as_fp32_does(tmp_path):
+    """precision=bf16 on a CPU: the products run in bf16 (oneDNN's AMX/AVX512-BF16 kernels where the CPU has
+    them), the weights stay fp32, and 60 steps on one batch follow fp32's loss curve to 2% (measured: 3.90 ->
+    1.832 in both). auto and fp16 stay fp32 on a CPU."""
+    from transformer.training.trainer import autocast_dtype
+
+    assert autocast_dtype("bf16", torch.device("cpu")) is torch.bfloat16
+    assert autocast_dtype("fp16", torch.device("cpu")) is None
+    curves, seen = {}, []
+    for precision in ("fp32", "bf16"):
+        t = make_trainer(tmp_path / precision, f"trainer.precision={precision}", "model.dropout=0.0")
+        hook = t.model.decoder[0].ff.w1.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        batch = next(iter(t.data.train_loader(0)))
+        curves[precision] = [t._optimizer_step([batch]).loss.item() / batch.n_tokens for _ in range(60)]
+        hook.remove()
+        assert all(p.dtype is torch.float32 for p in t.model.parameters())
+    assert seen[0] is torch.float32 and seen[-1] is torch.bfloat16
+    assert curves["bf16"][-1] < 0.5 * curves["bf16"][0]
+    assert curves["bf16"] != curves["fp32"]  # the products really ran in another precision
+    assert curves["bf16"] == pytest.approx(curves["fp32"], rel=0.02)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_on_a_cpu_without_bf16_units_warns_that_fp32_is_faster(tmp_path, monkeypatch, caplog, native):
+    from transformer.training import speedups
+
+    monkeypatch.setattr(speedups, "native_bf16_cpu", lambda: native)
+    make_trainer(tmp_path, "trainer.precision=bf16")
+    make_trainer(tmp_path, "trainer.precision=fp32")
+    warned = [r for r in caplog.records if "emulated" in r.getMessage()]
+    assert len(warned) == (0 if native else 1)
+    assert all("trainer.precision=fp32 trains faster" in r.getMessage() for r in warned)
+
+
 def test_max_minutes_ends_the_run_normally_one_step_late(tmp_path):
     """trainer.max_minutes: the step whose clock is past the limit raises the late flag; like the stop flag it
     is read one step late (every rank reads the same all-reduced value), and the run then ends as max_steps

@@ -1,7 +1,8 @@
-"""GPU switches of the trainer: TF32, deterministic cuBLAS, torch.compile with bounded recompiles, DDP
-options and activation checkpointing. Each is a `trainer.*` key (transformer/config.py); the README's
-Performance section says which defaults were measured and which were not.
+"""Speed switches of the trainer: TF32, deterministic cuBLAS, bf16 on CPUs, torch.compile with bounded
+recompiles, DDP options and activation checkpointing. Each is a `trainer.*` key (transformer/config.py);
+the README's Performance section says which defaults were measured and which were not.
 """
+import logging
 import os
 from typing import Optional
 
@@ -10,6 +11,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from transformer.data.batch import PAD, Batch
+from transformer.dist import rank_zero
+
+log = logging.getLogger(__name__)
 
 
 def configure_backends(tcfg, device: torch.device) -> None:
@@ -27,6 +31,19 @@ def native_bf16_tf32(device: torch.device) -> bool:
     """Ampere or newer (or ROCm): bf16 and TF32 in hardware. torch.cuda.is_bf16_supported() also says yes
     where bf16 is only emulated (a V100), which would make precision=auto slower than fp32 there."""
     return device.type == "cuda" and (bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+def native_bf16_cpu() -> bool:
+    """AMX or AVX512-BF16 (Sapphire Rapids and newer Xeons, Zen 4): oneDNN runs bf16 products in hardware.
+    Elsewhere it emulates them, more slowly than fp32. torch.cpu's probes are private, hence the getattr."""
+    probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+@rank_zero
+def warn_emulated_bf16() -> None:
+    log.warning("trainer.precision=bf16 on a CPU without AMX or AVX512-BF16: bf16 products are emulated here "
+                "and slower than fp32; trainer.precision=fp32 trains faster on this machine")
 
 
 def pad_multiple(tcfg) -> int:
