@@ -237,4 +237,5 @@ def test_batches_grow_by_epoch_in_training(tmp_path):
                      "checkpoint.every_steps=1000", "data.max_tokens_by_epoch=[100,400]")
     small, big = t.data.num_train_batches(0), t.data.num_train_batches(1)
     assert big < small / 2
+    assert t._total_steps() == small + big  # the ETA counts each epoch with its own batches
     assert t.train() == 0 and t.step == small + big

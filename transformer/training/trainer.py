@@ -158,12 +158,20 @@ class Trainer(RunEnd):
 
     def _total_steps(self) -> Optional[int]:
         """The progress bar's total (for its ETA): max_steps, or the steps of max_epochs if they come first.
-        An epoch takes ceil(batches / accumulate) steps; its batch count can vary by one or two between
-        epochs, so the epoch-based total is an estimate."""
+        An epoch takes ceil(batches / accumulate) steps. Its batch count varies by one or two between epochs
+        of the same token budget, so each budget of data.max_tokens_by_epoch is planned once and the total
+        is an estimate; the epochs already run count as the steps they took."""
         t = self.tcfg
         totals = [] if t.max_steps is None else [t.max_steps]
         if t.max_epochs is not None:
-            totals.append(math.ceil(self.data.num_train_batches(self.epoch) / t.accumulate) * t.max_epochs)
+            steps_of = {}  # token budget -> steps of one epoch
+            total = self.step - math.ceil(self.batch_index / t.accumulate)
+            for epoch in range(self.epoch, t.max_epochs):
+                tokens = self.data.train_sampler.tokens_of(epoch)
+                if tokens not in steps_of:
+                    steps_of[tokens] = math.ceil(self.data.num_train_batches(epoch) / t.accumulate)
+                total += steps_of[tokens]
+            totals.append(total)
         return min(totals) if totals else None
 
     @property
