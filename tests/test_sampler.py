@@ -82,13 +82,14 @@ def test_validation_order_is_fixed():
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_batches_grow_by_epoch(world_size):
-    """max_tokens_by_epoch=[300, 300, 600]: epochs 0-1 are planned exactly as with max_tokens=300, epoch 2 and
-    every later one as with 600 (half as many batches, each within 600 tokens, every example still once)."""
+    """max_tokens_by_epoch=[300, 300, 600] with max_tokens=900: epochs 0-1 are planned exactly as with
+    max_tokens=300, epoch 2 as with 600 (half as many batches, each within 600 tokens, every example still
+    once), and every later epoch with max_tokens itself."""
     src, tgt = _sizes()
-    grow = [TokenBatchSampler(src, tgt, 4096, seed=5, rank=r, world_size=world_size,
+    grow = [TokenBatchSampler(src, tgt, 900, seed=5, rank=r, world_size=world_size,
                               max_tokens_by_epoch=[300, 300, 600]) for r in range(world_size)]
-    small, big = (TokenBatchSampler(src, tgt, n, seed=5, world_size=world_size) for n in (300, 600))
-    for epoch, same in ((0, small), (1, small), (2, big), (5, big)):
+    small, big, last = (TokenBatchSampler(src, tgt, n, seed=5, world_size=world_size) for n in (300, 600, 900))
+    for epoch, same in ((0, small), (1, small), (2, big), (3, last), (5, last)):
         assert [b.tolist() for b in grow[0].epoch_batches(epoch)] == [b.tolist() for b in same.epoch_batches(epoch)]
         assert grow[0].num_batches(epoch) == same.num_batches(epoch)
         ids = np.concatenate([b for g in grow for b in g.rank_batches(epoch)])
@@ -103,6 +104,8 @@ def test_errors():
         TokenBatchSampler(src, tgt + 60, 50)
     with pytest.raises(ValueError, match=r"data.max_tokens_by_epoch entry 50 is smaller than the longest example"):
         TokenBatchSampler(src, tgt + 60, 500, max_tokens_by_epoch=[200, 50])
+    with pytest.raises(ValueError, match=r"data.max_tokens=50 is smaller than the longest example"):
+        TokenBatchSampler(src, tgt + 60, 50, max_tokens_by_epoch=[200])
     with pytest.raises(ValueError, match="rank 2 is outside world size 2"):
         TokenBatchSampler(src, tgt, 500, rank=2, world_size=2)
     with pytest.raises(ValueError, match="10 examples cannot be shared by 11 workers"):

@@ -183,6 +183,17 @@ def test_bf16_on_a_cpu_without_bf16_units_warns_that_fp32_is_faster(tmp_path, mo
     assert all("trainer.precision=fp32 trains faster" in r.getMessage() for r in warned)
 
 
+@pytest.mark.parametrize("capability, slow", [((7, 0), True), ((8, 0), False), ((9, 0), False)])
+def test_bf16_on_a_gpu_before_ampere_is_called_emulated(monkeypatch, capability, slow):
+    from transformer.training import speedups
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", None)
+    why = speedups.emulated_bf16(torch.device("cuda", 0))
+    assert (why is not None) == slow
+    assert why is None or "trainer.precision=fp16" in why
+
+
 def test_max_minutes_ends_the_run_normally_one_step_late(tmp_path):
     """trainer.max_minutes: the step whose clock is past the limit raises the late flag; like the stop flag it
     is read one step late (every rank reads the same all-reduced value), and the run then ends as max_steps
@@ -232,9 +243,10 @@ def test_val_epoch_end_false_leaves_epoch_ends_to_val_every(tmp_path, epoch_end)
 
 
 def test_batches_grow_by_epoch_in_training(tmp_path):
-    """data.max_tokens_by_epoch reaches the trainer: the second epoch's bigger batches make fewer steps."""
+    """data.max_tokens_by_epoch reaches the trainer: after the ramp's 100-token epoch, data.max_tokens=400
+    makes fewer steps."""
     t = make_trainer(tmp_path, "trainer.max_epochs=2", "trainer.max_steps=null", "trainer.val_every=1000",
-                     "checkpoint.every_steps=1000", "data.max_tokens_by_epoch=[100,400]")
+                     "checkpoint.every_steps=1000", "data.max_tokens_by_epoch=[100]", "data.max_tokens=400")
     small, big = t.data.num_train_batches(0), t.data.num_train_batches(1)
     assert big < small / 2
     assert t._total_steps() == small + big  # the ETA counts each epoch with its own batches

@@ -41,7 +41,7 @@ class DataConfig:
     # Splits the evaluate command scores by default (Multi30k file stems, or keys of data.files).
     test_splits: List[str] = field(default_factory=list)
     max_tokens: int = 4096  # per worker per micro-batch, padding included
-    # Batches that grow during training: epoch e uses entry min(e, len - 1) in place of max_tokens; [] = off
+    # A ramp of batch sizes: epoch e < len uses entry e in place of max_tokens, later epochs max_tokens; [] = off
     max_tokens_by_epoch: List[int] = field(default_factory=list)
     max_sentences: Optional[int] = None
     max_len: int = 256  # tokens per side, after tokenisation

@@ -16,8 +16,8 @@ class TokenBatchSampler:
                  max_sentences: Optional[int] = None, seed: int = 0, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, max_tokens_by_epoch: Sequence[int] = ()):
         """`*_sizes` are padded lengths (special tokens included). A batch of n pairs costs
-        n * max(longest source, longest target) tokens, which must stay <= max_tokens, or, where
-        `max_tokens_by_epoch` is given, <= its entry for the epoch (the last entry for later epochs)."""
+        n * max(longest source, longest target) tokens, which must stay <= max_tokens, or, in the first
+        len(max_tokens_by_epoch) epochs, <= the epoch's entry there (a ramp of batch sizes)."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.src_sizes = np.asarray(src_sizes, dtype=np.int64)
@@ -28,9 +28,9 @@ class TokenBatchSampler:
         self._cache: tuple = (None, None)
         longest = int(np.maximum(self.src_sizes, self.tgt_sizes).max(initial=0))
         by_epoch = self.max_tokens_by_epoch
-        key, what = ("data.max_tokens_by_epoch", f" entry {min(by_epoch)}") if by_epoch else ("data.max_tokens",
-                                                                                             f"={max_tokens}")
-        if longest > min(by_epoch or [max_tokens]):
+        key, what = (("data.max_tokens_by_epoch", f" entry {min(by_epoch)}") if min(by_epoch, default=max_tokens)
+                     < max_tokens else ("data.max_tokens", f"={max_tokens}"))
+        if longest > min(by_epoch + [max_tokens]):
             raise ValueError(f"{key}{what} is smaller than the longest example ({longest} tokens): "
                              f"raise {key} or lower data.max_len")
         if len(self.src_sizes) < world_size:
@@ -60,10 +60,10 @@ class TokenBatchSampler:
         return batches
 
     def tokens_of(self, epoch: int) -> int:
-        """The batch size in tokens of `epoch`. A function of the epoch alone, so a resumed run plans the
-        batches its first run would have."""
+        """The batch size in tokens of `epoch`: its entry of max_tokens_by_epoch, max_tokens after the list.
+        A function of the epoch alone, so a resumed run plans the batches its first run would have."""
         by_epoch = self.max_tokens_by_epoch
-        return by_epoch[min(epoch, len(by_epoch) - 1)] if by_epoch else self.max_tokens
+        return by_epoch[epoch] if epoch < len(by_epoch) else self.max_tokens
 
     def _bounds(self, size: np.ndarray, max_tokens: int):
         """Greedy packing of `size` (non-decreasing, so a batch's last example is its longest): a batch from

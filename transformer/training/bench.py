@@ -84,6 +84,7 @@ def build(cfg, env):
         data = SyntheticData(cfg, env.rank, env.world_size, pin_memory=env.device.type == "cuda")
     else:
         from transformer.data import build_data
+        cfg.data.max_tokens_by_epoch = []  # a ramp is a training schedule: the benchmark times max_tokens batches
         data = build_data(cfg, env, None)
     torch.manual_seed(cfg.seed)
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)

@@ -40,10 +40,21 @@ def native_bf16_cpu() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
-@rank_zero
-def warn_emulated_bf16() -> None:
-    log.warning("trainer.precision=bf16 on a CPU without AMX or AVX512-BF16: bf16 products are emulated here "
+def emulated_bf16(device: torch.device) -> Optional[str]:
+    """Why bf16 autocast is slow on `device` (a warning for an explicit trainer.precision=bf16, which
+    experiment=multi30k sets), or None where bf16 products run in hardware."""
+    if device.type == "cpu" and not native_bf16_cpu():
+        return ("trainer.precision=bf16 on a CPU without AMX or AVX512-BF16: bf16 products are emulated here "
                 "and slower than fp32; trainer.precision=fp32 trains faster on this machine")
+    if device.type == "cuda" and not native_bf16_tf32(device):
+        return ("trainer.precision=bf16 on a GPU before Ampere (compute capability < 8): bf16 is emulated "
+                "there; trainer.precision=fp16 (or auto, fp32 there) trains faster on this GPU")
+    return None
+
+
+@rank_zero
+def warn(message: str) -> None:
+    log.warning(message)
 
 
 def pad_multiple(tcfg) -> int:

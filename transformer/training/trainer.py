@@ -60,8 +60,9 @@ class Trainer(RunEnd):
         self.model = model.to(env.device)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
         self.amp_dtype = autocast_dtype(self.tcfg.precision, env.device)
-        if self.amp_dtype is not None and env.device.type == "cpu" and not speedups.native_bf16_cpu():
-            speedups.warn_emulated_bf16()
+        slow_bf16 = speedups.emulated_bf16(env.device) if self.amp_dtype == torch.bfloat16 else None
+        if slow_bf16:
+            speedups.warn(slow_bf16)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         speedups.configure_backends(self.tcfg, env.device)
         if self.tcfg.activation_checkpointing:
