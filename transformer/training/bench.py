@@ -14,7 +14,7 @@ import resource
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -273,15 +273,20 @@ def run_benchmark(cfg) -> Optional[dict]:
     env = dist.init(run["rank"], run["local_rank"], run["world_size"], cfg.trainer.accelerator, cfg.trainer.timeout_s)
     setup_logging(None)
     try:
-        trainer = build(cfg, env)
-        m = measure(trainer, cfg.bench)
-        record = summarise(trainer, cfg, m)
-        prof = profile_steps(trainer) if cfg.bench.profile else None
-        trainer.close()
+        record, prof = _measure(cfg, env)  # the trainer is gone when dist.close() runs
         _report(record, prof, cfg.bench.out)
         return record if env.is_main else None
     finally:
         dist.close()
+
+
+def _measure(cfg, env: dist.DistEnv) -> Tuple[dict, Optional[str]]:
+    trainer = build(cfg, env)
+    m = measure(trainer, cfg.bench)
+    record = summarise(trainer, cfg, m)
+    prof = profile_steps(trainer) if cfg.bench.profile else None
+    trainer.close()
+    return record, prof
 
 
 @dist.rank_zero

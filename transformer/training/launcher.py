@@ -58,22 +58,27 @@ def worker(rank: int, local_rank: int, world_size: int, cfg_dict: dict, run_dir:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed + rank)  # different dropout masks per rank; restored exactly on resume
     try:
-        data = build_data(cfg, env, run_dir)
-        torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-        model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-        torch.manual_seed(cfg.seed + rank)
-        trainer = Trainer(cfg, env, model, data, build_task(cfg), run_dir, stop)
-        restore(trainer, cfg, env)
-        if run_dir is not None:  # accepted: only now is the run directory written to
-            accept(run_dir, snapshot or {}, trainer)
-        log.info("%d worker(s) on %s, %d CPU thread(s) each | model %.2fM parameters | run dir %s", world_size,
-                 env.device, threads, sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
-        code = trainer.train()
-        trainer.close()
-        return code
+        return _train(cfg, env, run_dir, snapshot, stop, threads)  # its objects are gone when dist.close() runs
     finally:
         stop.close()
         dist.close()
+
+
+def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[Dict[str, str]], stop: "StopRequest",
+           threads: int) -> int:
+    data = build_data(cfg, env, run_dir)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank
+    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    torch.manual_seed(cfg.seed + env.rank)
+    trainer = Trainer(cfg, env, model, data, build_task(cfg), run_dir, stop)
+    restore(trainer, cfg, env)
+    if run_dir is not None:  # accepted: only now is the run directory written to
+        accept(run_dir, snapshot or {}, trainer)
+    log.info("%d worker(s) on %s, %d CPU thread(s) each | model %.2fM parameters | run dir %s", env.world_size,
+             env.device, threads, sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
+    code = trainer.train()
+    trainer.close()
+    return code
 
 
 class StopRequest:
