@@ -251,3 +251,18 @@ def test_batches_grow_by_epoch_in_training(tmp_path):
     assert big < small / 2
     assert t._total_steps() == small + big  # the ETA counts each epoch with its own batches
     assert t.train() == 0 and t.step == small + big
+
+
+def test_cuda_attention_skips_cudnn_and_cpu_leaves_the_switch_alone():
+    """cuDNN's SDPA plans every new batch shape on the host (transformer/training/speedups.py)."""
+    from transformer.training.speedups import no_cudnn_attention
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        no_cudnn_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        no_cudnn_attention(torch.device("cuda", 0))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -25,6 +25,16 @@ def configure_backends(tcfg, device: torch.device) -> None:
     torch.set_float32_matmul_precision("high" if tcfg.tf32 else "highest")
     if tcfg.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    no_cudnn_attention(device)
+
+
+def no_cudnn_attention(device: torch.device) -> None:
+    """Attention through flash or memory-efficient kernels, not cuDNN's. Token-bucketed batches (and each
+    decoding step) bring a new (B, T, S) shape, and cuDNN's SDPA builds an execution plan for every new
+    shape on the host: on an H100 (torch 2.11, 2026-11-24) 6.4 ms per forward call and 4.7 ms per backward,
+    three quarters of a `model=base` step at 4096 tokens, while its kernels ran 0.05 ms."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def native_bf16_tf32(device: torch.device) -> bool:
