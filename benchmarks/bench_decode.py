@@ -31,7 +31,7 @@ from transformer.data.batch import BOS, EOS  # noqa: E402
 from transformer.data.corpus import read_lines  # noqa: E402
 from transformer.decoding import encode_batch, length_batches, search  # noqa: E402
 from transformer.decoding.search import max_lengths  # noqa: E402
-from transformer.training.speedups import no_cudnn_attention  # noqa: E402
+from transformer.model.layers import no_cudnn_attention  # noqa: E402
 
 
 def find_multi30k() -> Path:
@@ -110,7 +110,7 @@ def main():
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    no_cudnn_attention(device)  # as the translate and evaluate commands do
+    no_cudnn_attention(device)  # as translate_ids does for every other decoding
     data = find_multi30k()
     model, tokenizer, what = build_model(args, data)
     model.to(device)

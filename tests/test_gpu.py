@@ -196,7 +196,7 @@ def test_flash_attention_kernel_runs_for_causal_self_attention():
 
 
 def test_training_attention_avoids_cudnn_plans(tmp_path):
-    """Every new batch shape costs cuDNN's SDPA a host-side plan (transformer/training/speedups.py): the
+    """Every new batch shape costs cuDNN's SDPA a host-side plan (transformer/model/layers.py): the
     trainer's steps run flash or memory-efficient attention kernels instead."""
     from torch.profiler import ProfilerActivity, profile
 

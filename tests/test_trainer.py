@@ -254,8 +254,8 @@ def test_batches_grow_by_epoch_in_training(tmp_path):
 
 
 def test_cuda_attention_skips_cudnn_and_cpu_leaves_the_switch_alone():
-    """cuDNN's SDPA plans every new batch shape on the host (transformer/training/speedups.py)."""
-    from transformer.training.speedups import no_cudnn_attention
+    """cuDNN's SDPA plans every new batch shape on the host (transformer/model/layers.py)."""
+    from transformer.model.layers import no_cudnn_attention
 
     before = torch.backends.cuda.cudnn_sdp_enabled()
     try:

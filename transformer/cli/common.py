@@ -10,7 +10,6 @@ from transformer import exit_codes
 from transformer.config import ConfigError, EvalConfig, check_eval, eval_from_dict
 from transformer.training.averaging import AverageError
 from transformer.training.checkpoint import CheckpointError
-from transformer.training.speedups import no_cudnn_attention
 
 # translate/evaluate decode with beam 5 unless --beam says otherwise. The checkpoint's eval.beam is what
 # validation used during training (greedy by default, for speed) and is not the default here.
@@ -78,6 +77,4 @@ def pick_device(name: str, threads: Optional[int] = None) -> torch.device:
         raise UsageError("--device cuda: torch sees no CUDA GPU")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    no_cudnn_attention(device)
-    return device
+    return torch.device(name)

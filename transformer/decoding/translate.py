@@ -4,6 +4,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from transformer.decoding.search import Hypothesis, search
+from transformer.model.layers import no_cudnn_attention
 from transformer.specials import EOS, PAD
 
 
@@ -50,6 +51,7 @@ def translate_ids(model, tokenizer, ids: Sequence[Sequence[int]], ev, device="cp
     """translate_sentences for sources already tokenised (id lists without specials). Outputs never get
     more tokens than the model has positions (`model.args.max_positions`)."""
     device = torch.device(device)
+    no_cudnn_attention(device)  # every decoding step is a new shape
     out: List[Optional[List[Hypothesis]]] = [None] * len(ids)
     for batch in length_batches([len(x) + 1 for x in ids], ev.batch_tokens):
         src = encode_batch([ids[i] for i in batch], device)

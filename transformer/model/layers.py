@@ -9,6 +9,15 @@ from torch import nn
 from transformer.model.dropout import Dropout
 
 
+def no_cudnn_attention(device: torch.device) -> None:
+    """Attention through flash or memory-efficient kernels, not cuDNN's. Token-bucketed batches (and each
+    decoding step) bring a new (B, T, S) shape, and cuDNN's SDPA builds an execution plan for every new
+    shape on the host: on an H100 (torch 2.11, 2026-11-24) 6.4 ms per forward call and 4.7 ms per backward,
+    three quarters of a `model=base` step at 4096 tokens, while its kernels ran 0.05 ms."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 class MultiHeadAttention(nn.Module):
     """Section 3.2.2: h parallel scaled dot-product attentions over d_k = d_model / h dimensions.
 

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from transformer.data.batch import PAD, Batch
 from transformer.dist import rank_zero
+from transformer.model.layers import no_cudnn_attention
 
 log = logging.getLogger(__name__)
 
@@ -19,7 +20,8 @@ log = logging.getLogger(__name__)
 def configure_backends(tcfg, device: torch.device) -> None:
     """TF32 for float32 matrix products on GPUs that have it (Ampere and newer; it changes nothing under
     bf16 autocast, where the products are bf16 already), and the cuBLAS workspace setting that
-    `trainer.deterministic` needs on CUDA (read when cuBLAS starts, so before the first product)."""
+    `trainer.deterministic` needs on CUDA (read when cuBLAS starts, so before the first product), and
+    attention kernels that need no per-shape plan (transformer/model/layers.py)."""
     if device.type != "cuda":
         return
     torch.set_float32_matmul_precision("high" if tcfg.tf32 else "highest")
@@ -27,14 +29,6 @@ def configure_backends(tcfg, device: torch.device) -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     no_cudnn_attention(device)
 
-
-def no_cudnn_attention(device: torch.device) -> None:
-    """Attention through flash or memory-efficient kernels, not cuDNN's. Token-bucketed batches (and each
-    decoding step) bring a new (B, T, S) shape, and cuDNN's SDPA builds an execution plan for every new
-    shape on the host: on an H100 (torch 2.11, 2026-11-24) 6.4 ms per forward call and 4.7 ms per backward,
-    three quarters of a `model=base` step at 4096 tokens, while its kernels ran 0.05 ms."""
-    if device.type == "cuda":
-        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def native_bf16_tf32(device: torch.device) -> bool:
