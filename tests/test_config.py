@@ -50,6 +50,7 @@ def test_wrong_type_fails_with_full_key():
     ("trainer.max_minutes=0", "trainer.max_minutes"),
     ("optim.anneal=1.0", "optim.anneal"),
     ("data.max_tokens_by_epoch=[512,0]", "data.max_tokens_by_epoch"),
+    ("trainer.dropout_by_epoch=[0.1,1.0]", "trainer.dropout_by_epoch"),
 ])
 def test_semantic_checks_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

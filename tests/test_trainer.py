@@ -266,3 +266,29 @@ def test_cuda_attention_skips_cudnn_and_cpu_leaves_the_switch_alone():
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_dropout_by_epoch_sets_each_epochs_rate_and_resumes_with_it(tmp_path):
+    """trainer.dropout_by_epoch=[0.0] with model.dropout=0.3: epoch 0 trains exactly as a model without
+    dropout does, epoch 1 with 0.3 in every dropout (attention weights too); a run resumed in epoch 1 gets 0.3
+    back from the schedule."""
+    def modules_p(model):
+        return {m.p for m in model.modules() if hasattr(m, "p")} | {
+            m.dropout for m in model.modules() if hasattr(m, "project_kv")}
+
+    common = ("trainer.max_steps=null", "trainer.val_every=1000", "checkpoint.every_steps=1000")
+    sched = make_trainer(tmp_path / "s", *common, "trainer.max_epochs=1", "model.dropout=0.3",
+                         "trainer.dropout_by_epoch=[0.0]")
+    plain = make_trainer(tmp_path / "p", *common, "trainer.max_epochs=1", "model.dropout=0.0")
+    assert sched.train() == 0 and plain.train() == 0
+    assert modules_p(sched.model) == {0.0}
+    for a, b in zip(sched.model.parameters(), plain.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    resumed = make_trainer(tmp_path / "s", *common, "trainer.max_epochs=2", "model.dropout=0.3",
+                           "trainer.dropout_by_epoch=[0.0]")
+    assert resumed.train() == 0 and resumed.step == sched.step + resumed.data.num_train_batches(1)
+    assert modules_p(resumed.model) == {0.3}
+    # And it can fail: without the schedule, epoch 0 with 0.3 trains to other weights.
+    other = make_trainer(tmp_path / "o", *common, "trainer.max_epochs=1", "model.dropout=0.3")
+    assert other.train() == 0
+    assert any(not torch.equal(a, b) for a, b in zip(other.model.parameters(), plain.model.parameters(), strict=True))

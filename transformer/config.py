@@ -7,7 +7,7 @@ cannot express, and `validate()` runs them all.
 """
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -71,6 +71,7 @@ class TrainerConfig:
     progress: bool = True  # progress bar on rank 0
     threads: Optional[int] = None  # torch CPU threads per worker; None = the cores this process may use / local workers
     ema_decay: float = 0.0  # exponential moving average of the weights (0 = off); validation scores the average
+    dropout_by_epoch: List[float] = field(default_factory=list)  # P_drop of epochs 0, 1, ...; model.dropout after
     # Speed switches (transformer/training/speedups.py; measured or not, README "Performance"):
     tf32: bool = True  # GPUs: float32 matrix products in TF32 (no effect on bf16 autocast's products)
     pad_to_multiple: Optional[int] = None  # batch lengths padded up to a multiple; None: 8 with compile, else 1
@@ -179,6 +180,8 @@ def check_trainer(t) -> None:
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")
     _check(t.threads is None or t.threads > 0, "trainer.threads", t.threads, "must be > 0 or null")
     _check(0 <= t.ema_decay < 1, "trainer.ema_decay", t.ema_decay, "must be in [0, 1)")
+    _check(all(0 <= p < 1 for p in t.dropout_by_epoch), "trainer.dropout_by_epoch", list(t.dropout_by_epoch),
+           "must all be in [0, 1)")
     _check(t.pad_to_multiple is None or t.pad_to_multiple >= 1, "trainer.pad_to_multiple", t.pad_to_multiple,
            "must be >= 1 or null")
     _check(t.ddp_bucket_mb > 0, "trainer.ddp_bucket_mb", t.ddp_bucket_mb, "must be > 0")

@@ -8,7 +8,7 @@ from torch import nn
 
 from transformer.model.cache import DecoderCache
 from transformer.model.dropout import Dropout
-from transformer.model.layers import DecoderLayer, EncoderLayer
+from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention
 from transformer.specials import PAD
 
 
@@ -146,6 +146,17 @@ class Transformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask)
+
+    def set_dropout(self, p: float) -> None:
+        """P_drop of every dropout in the model (embeddings, sublayers, FFN and attention weights), for a
+        schedule over training (trainer.dropout_by_epoch); the weights and model args are untouched."""
+        if not 0 <= p < 1:
+            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        for m in self.modules():
+            if isinstance(m, Dropout):
+                m.p = p
+            elif isinstance(m, MultiHeadAttention):
+                m.dropout = p
 
     def record_attention(self, on: bool = True) -> None:
         """Keep the attention weights of every attention module in its `last_attention` (for plots)."""

@@ -79,6 +79,7 @@ class Trainer(RunEnd):
         self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
         self.clock, self.quality = RunClock(), TimeToQuality(task.metrics().values())
+        self._dropout = model.args.dropout  # P_drop the model now has
         self.out_of_time = False  # trainer.max_minutes passed: read with the stop flag, one step late
         self.ema = EMA(self.model, self.tcfg.ema_decay) if self.tcfg.ema_decay > 0 else None
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
@@ -203,6 +204,15 @@ class Trainer(RunEnd):
         seconds, limit = self.clock.seconds(), 60 * self.tcfg.max_minutes
         return seconds >= limit, self.cfg.optim.anneal > 0 and seconds >= limit * (1 - self.cfg.optim.anneal)
 
+    def _set_dropout(self) -> None:
+        """trainer.dropout_by_epoch: this epoch's P_drop (set again on resume, from the restored epoch)."""
+        schedule = self.tcfg.dropout_by_epoch
+        p = schedule[self.epoch] if self.epoch < len(schedule) else self.model.args.dropout
+        if schedule and p != self._dropout:
+            log.info("epoch %d: dropout %g (trainer.dropout_by_epoch, then model.dropout)", self.epoch, p)
+            self.model.set_dropout(p)
+        self._dropout = p
+
     def _loop(self, progress: Progress) -> int:
         window = TrainWindow()
         code = self._run_steps(progress, window)
@@ -214,6 +224,7 @@ class Trainer(RunEnd):
         K = self.tcfg.accumulate
         stop_flag = LaggedFlag()
         while not self._done():
+            self._set_dropout()
             n = self.data.num_train_batches(self.epoch)
             with self._rng_untouched():  # a DataLoader iterator draws its seed from the global RNG
                 batches = iter(self.data.train_loader(self.epoch, start=self.batch_index))
