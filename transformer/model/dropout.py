@@ -27,14 +27,18 @@ def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype) -> torch.Tensor:
     return keep.to(dtype).mul_(_LEVELS / (_LEVELS - dropped))
 
 
+def check_rate(p: float) -> float:
+    if not 0 <= p < 1:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    return p
+
+
 class Dropout(nn.Module):
     """Drop-in for `nn.Dropout(p)` (no parameters, so checkpoints are unchanged): identity in eval mode."""
 
     def __init__(self, p: float):
         super().__init__()
-        if not 0 <= p < 1:
-            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-        self.p = p
+        self.p = check_rate(p)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:

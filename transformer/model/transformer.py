@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from transformer.model.cache import DecoderCache
-from transformer.model.dropout import Dropout
+from transformer.model.dropout import Dropout, check_rate
 from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention
 from transformer.specials import PAD
 
@@ -150,8 +150,7 @@ class Transformer(nn.Module):
     def set_dropout(self, p: float) -> None:
         """P_drop of every dropout in the model (embeddings, sublayers, FFN and attention weights), for a
         schedule over training (trainer.dropout_by_epoch); the weights and model args are untouched."""
-        if not 0 <= p < 1:
-            raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+        check_rate(p)
         for m in self.modules():
             if isinstance(m, Dropout):
                 m.p = p

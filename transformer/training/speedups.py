@@ -30,7 +30,6 @@ def configure_backends(tcfg, device: torch.device) -> None:
     no_cudnn_attention(device)
 
 
-
 def native_bf16_tf32(device: torch.device) -> bool:
     """Ampere or newer (or ROCm): bf16 and TF32 in hardware. torch.cuda.is_bf16_supported() also says yes
     where bf16 is only emulated (a V100), which would make precision=auto slower than fp32 there."""
