@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from transformer.training.loss import label_smoothed_cross_entropy
-from transformer.training.optim import NoamSchedule, noam_lr
+from transformer.training.optim import NoamSchedule, fall_steps, noam_lr
 
 
 def test_noam_values_at_chosen_steps():
@@ -80,14 +80,15 @@ def test_anneal_over_max_steps_falls_linearly_to_zero_at_the_last_step():
     assert sched.annealed and sched.lr() == 0.0
 
 
-def test_anneal_by_time_lasts_the_steps_the_rest_of_the_time_buys_and_resumes_exactly():
-    """anneal_now() at step 30 with anneal=0.25: the first 75% of the minutes took 30 steps, so the last 25%
-    gets 10. A schedule resumed mid-fall from state_dict() gives the same rates; optim.anneal=0 drops the fall."""
+def test_anneal_by_time_falls_over_the_steps_given_and_resumes_exactly():
+    """anneal_now(10) at step 30. A schedule resumed mid-fall from state_dict() gives the same rates;
+    optim.anneal=0 drops the fall."""
     sched = _schedule(anneal=0.25)
     _rates(sched, 30)
-    sched.anneal_now()
-    assert (sched.anneal_start, sched.anneal_end) == (30, 40)
-    sched.anneal_now()  # the flag stays raised on later steps: the fall is not restarted
+    assert not sched.falling
+    sched.anneal_now(10)
+    assert (sched.anneal_start, sched.anneal_end) == (30, 40) and sched.falling
+    sched.anneal_now(99)  # the flag stays raised on later steps: the fall is not restarted
     assert sched.anneal_end == 40
     _rates(sched, 4)
     resumed, dropped = _schedule(anneal=0.25), _schedule(anneal=0.0)
@@ -102,5 +103,18 @@ def test_anneal_by_time_comes_first_when_a_max_steps_fall_is_still_ahead():
     sched = _schedule(anneal=0.5)
     sched.plan_anneal(max_steps=100)
     _rates(sched, 20)
-    sched.anneal_now()
+    assert not sched.falling  # planned for step 50, not begun
+    sched.anneal_now(20)
     assert (sched.anneal_start, sched.anneal_end) == (20, 40)
+
+
+def test_fall_steps_count_the_time_left_in_epochs_not_in_the_pace_of_steps_so_far():
+    """anneal=0.25 at batch 50 of epoch 3, 100 batches an epoch: 3.5 epochs so far, so the rest of the time
+    covers 3.5 / 3 epochs, 117 batches. A batch ramp whose early epochs had 400 small batches each changes
+    nothing, where the pace in steps so far would have planned about a third of its steps again."""
+    assert fall_steps(0.25, 3, 50, 1, lambda e: 100) == 117
+    assert fall_steps(0.25, 3, 50, 1, lambda e: 400 if e < 3 else 100) == 117
+    assert fall_steps(0.25, 3, 50, 2, lambda e: 100) == 58  # accumulate=2: two batches a step
+    # Epochs ahead with another budget count their own batches: 0.5 of epoch 3, then 2/3 of 60 in epoch 4.
+    assert fall_steps(0.25, 3, 50, 1, lambda e: 100 if e <= 3 else 60) == 90
+    assert fall_steps(0.5, 0, 5, 1, lambda e: 8) == 5  # (the distributed test's case: epochs of 8 batches)

@@ -28,7 +28,7 @@ from transformer.training.ema import EMA
 from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
-from transformer.training.optim import build_optimizer
+from transformer.training.optim import build_optimizer, fall_steps
 from transformer.training.quality import RunClock, TimeToQuality
 from transformer.training.run_end import RunEnd
 
@@ -81,6 +81,7 @@ class Trainer(RunEnd):
         self.clock, self.quality = RunClock(), TimeToQuality(task.metrics().values())
         self._dropout = model.args.dropout  # P_drop the model now has
         self.out_of_time = False  # trainer.max_minutes passed: read with the stop flag, one step late
+        self._batch_counts = {}  # token budget -> batches of one epoch (_batches_of)
         self.ema = EMA(self.model, self.tcfg.ema_decay) if self.tcfg.ema_decay > 0 else None
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
         self.metrics = MetricsLogger(run_dir)
@@ -166,15 +167,19 @@ class Trainer(RunEnd):
         t = self.tcfg
         totals = [] if t.max_steps is None else [t.max_steps]
         if t.max_epochs is not None:
-            steps_of = {}  # token budget -> steps of one epoch
             total = self.step - math.ceil(self.batch_index / t.accumulate)
             for epoch in range(self.epoch, t.max_epochs):
-                tokens = self.data.train_sampler.tokens_of(epoch)
-                if tokens not in steps_of:
-                    steps_of[tokens] = math.ceil(self.data.num_train_batches(epoch) / t.accumulate)
-                total += steps_of[tokens]
+                total += math.ceil(self._batches_of(epoch) / t.accumulate)
             totals.append(total)
         return min(totals) if totals else None
+
+    def _batches_of(self, epoch: int) -> int:
+        """Epoch `epoch`'s batch count, counted once per token budget of data.max_tokens_by_epoch (it varies by
+        one or two between epochs of the same budget, so later epochs' counts are estimates)."""
+        tokens = self.data.train_sampler.tokens_of(epoch)
+        if tokens not in self._batch_counts:
+            self._batch_counts[tokens] = self.data.num_train_batches(epoch)
+        return self._batch_counts[tokens]
 
     @property
     def stop_signal(self) -> Optional[int]:
@@ -280,8 +285,11 @@ class Trainer(RunEnd):
         self.step += 1
         window.add(result)
         stop, self.out_of_time, anneal = stop_flag.push(result.flags)  # one copy for the three
-        if anneal:
-            self.scheduler.anneal_now()
+        if anneal and not self.scheduler.falling:
+            this_epoch = self.data.num_train_batches(self.epoch)  # exact, where _batches_of estimates
+            steps = fall_steps(self.cfg.optim.anneal, self.epoch, self.batch_index, self.tcfg.accumulate,
+                               lambda e: this_epoch if e == self.epoch else self._batches_of(e))
+            self.scheduler.anneal_now(steps)
         return result, stop
 
     def _optimizer_step(self, micro) -> StepResult:
