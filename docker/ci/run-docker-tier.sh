@@ -354,11 +354,14 @@ log "restart: $first written; docker kill restart-node1 (SIGKILL)"
 # The restarted agent has the dead one's name (address, pid): it may rejoin once the rendezvous has
 # dropped the dead one, 3 missed heartbeats of 5 s after node 0 saw its workers fail (torchrun logs
 # that at LOGLEVEL=INFO).
+# grep reads the whole log, not -q: under pipefail, -q's early exit can kill `docker logs` with SIGPIPE and
+# fail a check whose line is there (it did, once, in CI: "did not restart ... within 60 s" after 1 s).
+node0_restarted() { "$DOCKER" logs restart-node0 2>&1 | grep "will restart worker group" >/dev/null; }
 for _ in $(seq 1 300); do
-    "$DOCKER" logs restart-node0 2>&1 | grep -q "will restart worker group" && break
+    node0_restarted && break
     sleep 0.2
 done
-"$DOCKER" logs restart-node0 2>&1 | grep -q "will restart worker group" ||
+node0_restarted ||
     fail "restart: node 0 did not restart its workers within 60 s of the kill"
 sleep 20
 "$DOCKER" start restart-node1 >/dev/null
