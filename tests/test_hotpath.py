@@ -18,9 +18,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers.cli import compose_cfg, free_port
 from tests.test_trainer import SMALL, make_trainer, ragged_pairs
+from transformer import dist
 from transformer.data.batch import PAD, collate
 from transformer.data.copy import CopyData
-from transformer.dist import DistEnv
 from transformer.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from transformer.model import Transformer
 from transformer.tasks import build_task
@@ -163,14 +163,16 @@ def test_stop_signal_stops_all_ranks_one_step_late_with_a_checkpoint(tmp_path, m
 
 def _late_worker(rank: int, port: int, run_dir: str, anneal: float):
     torch.set_num_threads(1)
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # dist.init, not a bare init_process_group: it records the rank that rank_zero reads, so only rank 0
+    # writes the checkpoints (two writers of one best.pt link race).
+    env = dist.init(rank, rank, 2, "cpu", 120, store=torch_dist.TCPStore("127.0.0.1", port, 2, rank == 0))
     try:
         cfg = compose_cfg(*SMALL, "trainer.max_minutes=1", "trainer.max_epochs=null", "trainer.max_steps=null",
                           "trainer.val_every=1000", "checkpoint.every_steps=1000", f"optim.anneal={anneal}")
         data = CopyData(cfg, cfg.seed, rank, 2)
         torch.manual_seed(0)
         model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-        t = Trainer(cfg, DistEnv(rank, rank, 2), model, data, build_task(cfg), Path(run_dir))
+        t = Trainer(cfg, env, model, data, build_task(cfg), Path(run_dir))
         # Only rank 1's clock passes the limit, or the start of the fall (after 3 steps); rank 0's never does.
         seconds = 60.0 * (1 - anneal)
         t.clock.seconds = (lambda: seconds * (t.step >= 3)) if rank == 1 else (lambda: 0.0)
@@ -179,7 +181,7 @@ def _late_worker(rank: int, port: int, run_dir: str, anneal: float):
             {"code": code, "step": t.step, "fall": [t.scheduler.anneal_start, t.scheduler.anneal_end]}))
         t.close()
     finally:
-        torch_dist.destroy_process_group()
+        dist.close()
 
 
 @pytest.mark.distributed
