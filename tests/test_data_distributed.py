@@ -9,12 +9,10 @@ from tests.helpers.data import TRAIN_EN, small_files_cfg
 
 
 def _worker(rank: int, world_size: int, port: int, cfg: dict, out: str) -> None:
-    import torch.distributed as torch_dist
-
+    from tests.helpers.dist import join_gloo
     from transformer import dist
     from transformer.data.translation import build_translation_data
-    store = torch_dist.TCPStore("127.0.0.1", port, world_size, rank == 0)
-    env = dist.init(rank, rank, world_size, "cpu", 120, store=store)
+    env = join_gloo(rank, world_size, port)
     try:
         dm = build_translation_data(OmegaConf.create(cfg), env, f"{out}/run" if rank == 0 else None)
         ids = [i for batch in dm.train_loader(0) for i in batch.ids.tolist()]

@@ -7,12 +7,13 @@ from types import SimpleNamespace
 import pytest
 import sacrebleu
 import torch
-import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 
 from tests.helpers.cli import free_port
 from tests.helpers.data import MULTI30K, needs_multi30k
+from tests.helpers.dist import join_gloo
 from tests.helpers.models import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
+from transformer import dist
 from transformer.cli.evaluate import main
 from transformer.config import EvalConfig
 from transformer.data.copy import CopyTokenizer
@@ -111,16 +112,16 @@ def test_valid_bleu_single_process():
 
 def _worker(rank: int, port: int, state_path: str, out_dir: str):
     torch.set_num_threads(1)
-    torch_dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    env = join_gloo(rank, 2, port)
     try:
         from transformer.model import ModelArgs, Transformer
         ckpt = torch.load(state_path, weights_only=True)
         model = Transformer(ModelArgs.from_dict(ckpt["model_args"]))
         model.load_state_dict(ckpt["model"])
-        got = valid_bleu(model, fake_data(25), DistEnv(rank, rank, 2), EvalConfig(beam=2))
+        got = valid_bleu(model, fake_data(25), env, EvalConfig(beam=2))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(got))
     finally:
-        torch_dist.destroy_process_group()
+        dist.close()
 
 
 @pytest.mark.distributed

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as torch_dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers.cli import compose_cfg, free_port
+from tests.helpers.dist import join_gloo
 from tests.test_trainer import SMALL, make_trainer, ragged_pairs
 from transformer import dist
 from transformer.data.batch import PAD, collate
@@ -163,9 +163,7 @@ def test_stop_signal_stops_all_ranks_one_step_late_with_a_checkpoint(tmp_path, m
 
 def _late_worker(rank: int, port: int, run_dir: str, anneal: float):
     torch.set_num_threads(1)
-    # dist.init, not a bare init_process_group: it records the rank that rank_zero reads, so only rank 0
-    # writes the checkpoints (two writers of one best.pt link race).
-    env = dist.init(rank, rank, 2, "cpu", 120, store=torch_dist.TCPStore("127.0.0.1", port, 2, rank == 0))
+    env = join_gloo(rank, 2, port)  # only rank 0 writes the checkpoints
     try:
         cfg = compose_cfg(*SMALL, "trainer.max_minutes=1", "trainer.max_epochs=null", "trainer.max_steps=null",
                           "trainer.val_every=1000", "checkpoint.every_steps=1000", f"optim.anneal={anneal}")

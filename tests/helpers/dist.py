@@ -1,5 +1,6 @@
 """Helpers for the distributed and resume tests: tiny training runs through the real CLI (plain,
-spawned workers, torchrun), finding worker pids in /proc, and comparing checkpoints bit for bit."""
+spawned workers, torchrun), joining a gloo group from a spawned worker, finding worker pids in /proc, and
+comparing checkpoints bit for bit."""
 import os
 import signal
 import subprocess
@@ -8,9 +9,12 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+import torch.distributed as torch_dist
+
 # The comparisons live in their own module (no pytest there: the Docker tier runs it in the image).
 from tests.helpers.checkpoints import assert_same_state, assert_same_weights  # noqa: F401
 from tests.helpers.cli import cli_env, free_port, train_cmd
+from transformer import dist
 from transformer.training.checkpoint import load_checkpoint
 
 # A model and data small enough that a run is dominated by interpreter start-up. 640 copy examples make
@@ -20,6 +24,14 @@ TINY = ("experiment=copy", "data.copy.train_size=640", "data.copy.val_size=48", 
         "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2", "trainer.progress=false",
         "trainer.max_epochs=null", "trainer.log_every=1")
 TIMEOUT = 240  # seconds per CLI run: generous, the CI machine has 2 cores shared with other jobs
+
+
+def join_gloo(rank: int, world_size: int, port: int) -> dist.DistEnv:
+    """A spawned test worker joins a gloo group on 127.0.0.1:`port` (rank 0 hosts the store); leave with
+    dist.close(). Through dist.init, not a bare init_process_group: it records the rank that rank_zero reads,
+    without which every rank writes files as rank 0 (two writers of one best.pt link race)."""
+    store = torch_dist.TCPStore("127.0.0.1", port, world_size, rank == 0)
+    return dist.init(rank, rank, world_size, "cpu", 120, store=store)
 
 
 def env_for(**extra) -> dict:
