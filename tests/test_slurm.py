@@ -9,10 +9,13 @@ that launch/ci/run-slurm-tier.sh starts (`make test-slurm`); without it they are
   it resumes in the same run dir and ends bit-identical to the uninterrupted job; Restarts=2;
 - `transformer-train -m hydra/launcher=slurm ... model.norm_first=false,true` (hydra-submitit-launcher)
   submits two jobs that both finish, one run dir each.
+Also marked `slurm`, with no cluster: the launcher's setup lines export a free MASTER_PORT and
+SLURM_KILL_BAD_EXIT, and dist.torchrun_env keeps that port under submitit.
 """
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -45,6 +48,41 @@ def test_tier_skips_without_root():
         pytest.skip("runs as root here")
     res = subprocess.run(["bash", str(TIER)], capture_output=True, text=True, timeout=30)
     assert res.returncode == 77 and "SKIP: needs root" in res.stdout
+
+
+# ---- hydra/launcher=slurm, no cluster needed (submitit is the `slurm` extra) ------------------------------
+@pytest.mark.slurm
+def test_launcher_setup_exports_a_free_port_and_kill_on_bad_exit():
+    """The sbatch setup lines of conf/hydra/launcher/slurm.yaml, run by bash: a MASTER_PORT free on this host
+    (submitit's default, a hash of the job id, hung a CI run when something held it) and SLURM_KILL_BAD_EXIT."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create({"hydra": {"launcher": OmegaConf.load(REPO / "conf/hydra/launcher/slurm.yaml")}})
+    setup = OmegaConf.to_container(cfg.hydra.launcher.setup, resolve=True)
+    script = "\n".join(["set -e", *setup, 'echo "$MASTER_PORT $SLURM_KILL_BAD_EXIT $OMP_NUM_THREADS"'])
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    port, kill_bad_exit, threads = res.stdout.split()
+    assert (kill_bad_exit, threads) == ("1", str(cfg.hydra.launcher.cpus_per_task))
+    with socket.socket() as s:  # still free: rank 0's store can listen on it
+        s.bind(("", int(port)))
+
+
+@pytest.mark.slurm
+def test_submitit_ranks_keep_the_jobs_master_port(monkeypatch):
+    """dist.torchrun_env under hydra/launcher=slurm: ranks from Slurm's variables, MASTER_PORT from the job's
+    setup kept (submitit's export refuses to write over it unless told to)."""
+    pytest.importorskip("submitit")
+    from transformer import dist
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in {"SUBMITIT_EXECUTOR": "slurm", "SLURM_JOB_ID": "7", "SLURM_NTASKS": "2",
+                        "SLURM_JOB_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_JOB_NODELIST": "node1",
+                        "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "MASTER_PORT": "23456"}.items():
+        monkeypatch.setenv(name, value)
+    assert dist.torchrun_env() == {"rank": 1, "local_rank": 1, "world_size": 2, "local_world_size": 2}
+    assert (os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]) == ("node1", "23456")
 
 
 # ---- a real cluster --------------------------------------------------------------------------------------
@@ -200,6 +238,12 @@ def test_sbatch_continues_a_finished_run(uninterrupted, tmp_path):
     assert_same_state(last_ckpt(tmp_path / run), last_ckpt(ref_cwd / "outputs" / f"slurm-{ref_id}"))
 
 
+def sweep_logs(sweep: Path) -> str:
+    """The tails of the submitted jobs' logs (.submitit/<job>/*.out and *.err, one per Slurm task)."""
+    return "\n".join(f"--- {p.relative_to(sweep)}\n{p.read_text(errors='replace')[-3000:]}"
+                     for p in sorted(sweep.glob(".submitit/*/*_log.*")))
+
+
 @pytest.mark.slurm
 def test_hydra_submitit_launcher_sweep(cluster, tmp_path):
     """transformer-train -m hydra/launcher=slurm: one Slurm job per sweep point, both finish, each
@@ -209,9 +253,11 @@ def test_hydra_submitit_launcher_sweep(cluster, tmp_path):
            "hydra.launcher.tasks_per_node=2", "hydra.launcher.cpus_per_task=1", "hydra.launcher.timeout_min=10",
            f"hydra.sweep.dir={sweep}", *TINY, "trainer.max_steps=6", "trainer.val_every=3",
            "trainer.accelerator=cpu", "model.norm_first=false,true"]
-    res = subprocess.run(cmd, cwd=tmp_path, env=slurm_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
-    logs = "\n".join(p.read_text(errors="replace")[-3000:] for p in sorted(sweep.glob(".submitit/*/*.out")))
-    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}\n{logs}"
+    try:
+        res = subprocess.run(cmd, cwd=tmp_path, env=slurm_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    except subprocess.TimeoutExpired as e:  # the jobs' own logs say where they hang; the tier deletes them
+        raise AssertionError(f"no result in {JOB_TIMEOUT} s\n{sweep_logs(sweep)}") from e
+    assert res.returncode == 0, f"{res.stdout[-3000:]}\n{res.stderr[-3000:]}\n{sweep_logs(sweep)}"
     # One job array, one task (a job of its own) per sweep point: .submitit/<array id>_<index>
     job_ids = sorted(p.name for p in (sweep / ".submitit").iterdir() if re.fullmatch(r"\d+_\d+", p.name))
     assert len(job_ids) == 2, files_under(sweep)

@@ -113,10 +113,11 @@ def torchrun_env() -> Optional[dict]:
                 "world_size": world_size, "local_world_size": int(os.environ.get("LOCAL_WORLD_SIZE", world_size))}
     if os.environ.get("SUBMITIT_EXECUTOR") == "slurm" and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         # hydra/launcher=slurm: one Slurm task per GPU and no torchrun; submitit derives the ranks from
-        # SLURM_PROCID/SLURM_LOCALID and exports MASTER_ADDR/MASTER_PORT for env://.
+        # SLURM_PROCID/SLURM_LOCALID and exports MASTER_ADDR/MASTER_PORT for env://. It keeps a MASTER_PORT
+        # already set (conf/hydra/launcher/slurm.yaml sets a free one) but refuses to export over it.
         import submitit
 
-        e = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        e = submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         return {"rank": e.rank, "local_rank": e.local_rank, "world_size": e.world_size,
                 "local_world_size": e.local_world_size}
     return None
