@@ -3,7 +3,8 @@ import math
 import pytest
 import torch
 
-from transformer.training.loss import label_smoothed_cross_entropy
+from transformer.training import loss as loss_module
+from transformer.training.loss import label_smoothed_cross_entropy, reference_label_smoothed_cross_entropy
 from transformer.training.optim import NoamSchedule, fall_steps, noam_lr
 
 
@@ -52,6 +53,46 @@ def test_no_smoothing_is_plain_cross_entropy_over_non_pad():
     ref = torch.nn.functional.cross_entropy(logits.view(-1, 11), target.view(-1), ignore_index=0, reduction="sum")
     assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
     assert nll.item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+@pytest.mark.parametrize("chunk", [1, 4, 1000])
+def test_chunked_loss_and_gradient_equal_log_softmax_autograd(monkeypatch, dtype, eps, chunk):
+    # Several chunks, a last one that is short, pads inside and at the end of a chunk; the backward pass
+    # gets gradients on both outputs (the trainer only differentiates the smoothed loss).
+    monkeypatch.setattr(loss_module, "rows_per_chunk", lambda logits: chunk)
+    torch.manual_seed(0)
+    base = torch.randn(3, 5, 37) * 4
+    target = torch.randint(1, 37, (3, 5))
+    target[0, 2:] = 0
+    target[2, 4] = 0
+    grads = []
+    for fn in (label_smoothed_cross_entropy, reference_label_smoothed_cross_entropy):
+        logits = base.clone().to(dtype).requires_grad_()
+        loss, nll = fn(logits, target, eps, 0)
+        (loss + 0.3 * nll).backward()
+        assert torch.equal(logits.detach(), base.to(dtype))  # the backward pass left the saved logits alone
+        grads.append((loss.detach(), nll.detach(), logits.grad))
+    (loss, nll, grad), (ref_loss, ref_nll, ref_grad) = grads
+    assert grad.dtype == dtype and grad.shape == base.shape
+    assert torch.allclose(loss, ref_loss, rtol=1e-5) and torch.allclose(nll, ref_nll, rtol=1e-5)
+    tol = 1e-5 if dtype == torch.float32 else 4e-3  # bf16: the gradient is rounded to bf16 in both
+    assert torch.allclose(grad.float(), ref_grad.float(), atol=tol, rtol=0)
+    assert grad[0, 2:].abs().sum() == 0 and grad[2, 4].abs().sum() == 0  # pads get no gradient
+
+
+def test_chunked_loss_passes_gradcheck(monkeypatch):
+    monkeypatch.setattr(loss_module, "rows_per_chunk", lambda logits: 2)
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 7, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([[1, 2, 0], [6, 0, 0]])
+    assert torch.autograd.gradcheck(lambda x: label_smoothed_cross_entropy(x, target, 0.2, 0), (logits,))
+
+
+def test_loss_chunks_fit_a_cpu_cache():
+    assert loss_module.rows_per_chunk(torch.empty(0, 10000)) == 104
+    assert loss_module.rows_per_chunk(torch.empty(0, 2_000_000)) == 1
 
 
 def _schedule(anneal=0.0):
