@@ -59,13 +59,10 @@ class _ChunkedLoss(torch.autograd.Function):
         # a GPU sync on every call.
         pad = t == pad_id  # (N,)
         nll = (lse - x_t).masked_fill_(pad, 0.0)  # -log p_target
-        eps_i = epsilon / (V - 1)
         smooth = (V * lse - x_sum).masked_fill_(pad, 0.0)  # sum over all V classes of -log p_c
-        # sum_c q_c * -log p_c with q_target = 1 - eps and q_other = eps / (V - 1):
-        loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
         ctx.save_for_backward(logits, t, lse, pad)
         ctx.epsilon, ctx.chunk = epsilon, chunk
-        return loss.sum(), nll.sum()
+        return _summed(nll, smooth, epsilon, V)
 
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):
@@ -98,6 +95,12 @@ def reference_label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.T
     if epsilon == 0:
         return nll.sum(), nll.sum()
     smooth = -lprobs.sum(dim=-1).masked_fill(pad, 0.0)  # (B*T,) sum over all V classes
+    return _summed(nll, smooth, epsilon, V)
+
+
+def _summed(nll: torch.Tensor, smooth: torch.Tensor, epsilon: float, V: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(smoothed loss, NLL) summed over rows, from each row's -log p_target and sum_c -log p_c (zero at pads):
+    sum_c q_c * -log p_c with q_target = 1 - eps and q_other = eps / (V - 1)."""
     eps_i = epsilon / (V - 1)
     loss = (1.0 - epsilon - eps_i) * nll + eps_i * smooth
     return loss.sum(), nll.sum()
