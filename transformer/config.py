@@ -5,6 +5,7 @@ experiment). A typo or a wrong type in an override fails at composition with the
 ``Key 'lrr' not in 'OptimConfig'``; the `check_*` functions beside the schemas add the checks a type
 cannot express, and `validate()` runs them all.
 """
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, List, Optional
@@ -100,6 +101,9 @@ class EvalConfig:
     bleu: bool = True  # validation BLEU at every validation (translation data only)
     bleu_sentences: Optional[int] = None  # validate BLEU on the first N val pairs; None = all
     patience: Optional[int] = None  # early stop after this many validations without a better best_metric
+    # At the end of training, validation BLEU of best.pt at each of these length penalties; the best is stored in
+    # best.pt, and transformer-evaluate/translate decode with it (an explicit --lenpen wins). [] = off.
+    tune_lenpen: List[float] = field(default_factory=list)
 
 
 @dataclass
@@ -213,6 +217,9 @@ def check_eval(e, key: str = "eval") -> None:
     _check(e.batch_tokens >= 1, f"{key}.batch_tokens", e.batch_tokens, "must be >= 1")
     _check(e.max_len_a >= 0 and e.max_len_b >= 0, f"{key}.max_len_a/max_len_b", (e.max_len_a, e.max_len_b),
            "must be >= 0")
+    tune = list(getattr(e, "tune_lenpen", None) or [])
+    _check(all(math.isfinite(x) for x in tune), f"{key}.tune_lenpen", tune, "must be finite numbers")
+    _check(len(set(tune)) == len(tune), f"{key}.tune_lenpen", tune, "has a value twice")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -226,6 +233,8 @@ def validate(cfg: DictConfig) -> None:
     check_data(cfg.data)
     check_checkpoint(cfg.checkpoint)
     check_eval(cfg.eval)
+    _check(cfg.eval.bleu or not cfg.eval.tune_lenpen, "eval.tune_lenpen", list(cfg.eval.tune_lenpen),
+           "ranks by validation BLEU: needs eval.bleu=true")
 
 
 def eval_from_dict(saved: Optional[dict]) -> EvalConfig:

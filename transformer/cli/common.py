@@ -36,7 +36,8 @@ def run_command(prog: str, fn: Callable[[], int]) -> int:
 
 
 def add_decoding_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("decoding (an option given here wins; otherwise the checkpoint's eval config, "
+    g = parser.add_argument_group("decoding (an option given here wins; otherwise the checkpoint's eval config "
+                                  "with the lenpen chosen on validation if training tuned it (eval.tune_lenpen), "
                                   f"except --beam, which defaults to {TEST_BEAM})")
     g.add_argument("--beam", type=int, default=TEST_BEAM, help="beam size; 1 = greedy (default: %(default)s)")
     g.add_argument("--lenpen", type=float, help="length penalty: hypotheses rank by logprob / length**lenpen")
@@ -52,6 +53,9 @@ def eval_config(args: argparse.Namespace, ckpt: dict) -> EvalConfig:
     """The checkpoint's `eval` settings with the command-line options on top, checked like the config's
     (an error names the option, e.g. `--nbest 6: must be between 1 and --beam=5`)."""
     ev = eval_from_dict((ckpt.get("config") or {}).get("eval"))
+    tuned = ckpt.get("decoding") or {}  # chosen on validation at the end of training (eval.tune_lenpen)
+    if "lenpen" in tuned:
+        ev.lenpen = float(tuned["lenpen"])
     for key in ("beam", "lenpen", "max_len_a", "max_len_b", "nbest", "batch_tokens"):
         value = getattr(args, key)
         if value is not None:

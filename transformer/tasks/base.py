@@ -41,6 +41,11 @@ class Task:
         """Decoding scores on the validation split; collective (every rank calls it, all get the same)."""
         return {}
 
+    def tune(self, model, data, env) -> Optional[Dict[str, float]]:
+        """Decoding settings chosen on the validation split for the final model (eval.tune_lenpen), as
+        {"lenpen": value, score keys...}; None when the task tunes nothing. Collective."""
+        return None
+
     def test(self, model, data, env) -> Optional[Dict[str, float]]:
         """Final scores once training ends, of the model selected on validation (best.pt); collective."""
         return None
