@@ -65,6 +65,26 @@ def test_train_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, overrid
     assert tree_digest(tmp_path) == before  # no outputs/, no multirun/, no .hydra
 
 
+def test_a_busy_master_port_is_one_line_exit_2_and_leaves_nothing(tmp_path):
+    """A worker started as torchrun or srun start them (RANK, WORLD_SIZE, MASTER_ADDR/PORT), rank 0 of 2,
+    with MASTER_PORT held by another process: the launcher's setting, named in one line (it was a traceback
+    and "internal error", exit code 1)."""
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {**cli_env(), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        before = tree_digest(tmp_path)
+        r = subprocess.run(train_cmd(*TINY, "trainer.max_steps=2", "trainer.timeout_s=30"), cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=240)
+    assert r.returncode == 2, r.stderr
+    assert_one_error_line(r.stderr, f"MASTER_PORT={port}: address already in use on 127.0.0.1")
+    assert tree_digest(tmp_path) == before
+
+
 @pytest.mark.slow
 def test_refused_runs_leave_an_existing_run_directory_byte_identical(tmp_path):
     run_dir = tmp_path / "run"

@@ -157,10 +157,24 @@ def init(rank: int, local_rank: int, world_size: int, accelerator: str, timeout_
             torch_dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                           device_id=device_id)
         else:
-            torch_dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
-                                          timeout=timeout, device_id=device_id)
+            _init_from_env(backend, rank, world_size, timeout, device_id)
     _ENV = DistEnv(rank, local_rank, world_size, device)
     return _ENV
+
+
+def _init_from_env(backend: str, rank: int, world_size: int, timeout: datetime.timedelta, device_id) -> None:
+    """env://: rank 0 listens on MASTER_ADDR:MASTER_PORT. A port another process holds is the launcher's
+    setting, not a bug: one line naming it (exit code 2) instead of a traceback, while the other ranks would
+    wait trainer.timeout_s for a store that never comes (srun kills them on this exit)."""
+    try:
+        torch_dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size,
+                                      timeout=timeout, device_id=device_id)
+    except torch_dist.DistNetworkError as e:
+        if "EADDRINUSE" not in str(e):
+            raise
+        raise ValueError(f"MASTER_PORT={os.environ.get('MASTER_PORT')}: address already in use on "
+                         f"{os.environ.get('MASTER_ADDR')} (another process listens there): export a free "
+                         "MASTER_PORT, or torchrun --master-port") from None
 
 
 def _attempt_store(rank: int, world_size: int, timeout: datetime.timedelta) -> Optional[torch_dist.Store]:
