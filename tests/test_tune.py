@@ -71,8 +71,9 @@ def test_the_choice_reaches_every_name_of_the_best_file(tmp_path, best_step, ste
         checkpointer.save({"format": FORMAT, "model": {}, "step": step}, step, is_best=step == best_step)
     folder = checkpointer.folder
     shared = {p.name for p in folder.glob("*.pt") if p.samefile(folder / "best.pt")}
+    tuned = {"lenpen": 1.2, "val_bleu_lenpen1.0": 40.0, "val_bleu_lenpen1.2": 41.0}
     RunEnd._store_decoding(SimpleNamespace(checkpointer=checkpointer), folder / "best.pt",
-                           {"lenpen": 1.2, "val_bleu_lenpen1.0": 40.0, "val_bleu_lenpen1.2": 41.0})
+                           load_checkpoint(folder / "best.pt"), tuned)
     assert {p.name for p in folder.glob("*.pt") if p.samefile(folder / "best.pt")} == shared
     for name in shared:
         ckpt = load_checkpoint(folder / name)

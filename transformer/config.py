@@ -217,9 +217,10 @@ def check_eval(e, key: str = "eval") -> None:
     _check(e.batch_tokens >= 1, f"{key}.batch_tokens", e.batch_tokens, "must be >= 1")
     _check(e.max_len_a >= 0 and e.max_len_b >= 0, f"{key}.max_len_a/max_len_b", (e.max_len_a, e.max_len_b),
            "must be >= 0")
-    tune = list(getattr(e, "tune_lenpen", None) or [])
+    tune = list(e.tune_lenpen)
     _check(all(math.isfinite(x) for x in tune), f"{key}.tune_lenpen", tune, "must be finite numbers")
     _check(len(set(tune)) == len(tune), f"{key}.tune_lenpen", tune, "has a value twice")
+    _check(e.bleu or not tune, f"{key}.tune_lenpen", tune, "ranks by validation BLEU: needs eval.bleu=true")
 
 
 def validate(cfg: DictConfig) -> None:
@@ -233,8 +234,6 @@ def validate(cfg: DictConfig) -> None:
     check_data(cfg.data)
     check_checkpoint(cfg.checkpoint)
     check_eval(cfg.eval)
-    _check(cfg.eval.bleu or not cfg.eval.tune_lenpen, "eval.tune_lenpen", list(cfg.eval.tune_lenpen),
-           "ranks by validation BLEU: needs eval.bleu=true")
 
 
 def eval_from_dict(saved: Optional[dict]) -> EvalConfig:

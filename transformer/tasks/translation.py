@@ -2,7 +2,7 @@
 from dataclasses import replace
 from typing import Dict, List, Optional
 
-from transformer.config import EvalConfig, eval_from_dict
+from transformer.config import EvalConfig, eval_from_dict, to_container
 from transformer.decoding import translate_sentences
 from transformer.tasks.base import Metric, Task
 
@@ -37,13 +37,11 @@ def tune_lenpen(model, data, env, ev, grid: List[float]) -> Dict[str, float]:
     """Validation BLEU at each length penalty of `grid`, as the paper chose its beam and length penalty "after
     experimentation on the development set" (section 6.1); {"lenpen": the best, "val_bleu_lenpen<x>": BLEU
     at x, ...}. A tie keeps the earlier value of `grid`. Collective."""
-    from omegaconf import OmegaConf
-
-    base = ev if isinstance(ev, EvalConfig) else eval_from_dict(OmegaConf.to_container(ev, resolve=True))
+    base = ev if isinstance(ev, EvalConfig) else eval_from_dict(to_container(ev))
     scores = {}
     for lenpen in grid:
         scores[float(lenpen)] = valid_bleu(model, data, env, replace(base, lenpen=float(lenpen)))["val_bleu"]
-    best = max(scores, key=lambda x: (scores[x], -list(scores).index(x)))
+    best = max(scores, key=scores.get)  # max keeps the first of equal scores
     return {"lenpen": best, **{f"val_bleu_lenpen{x:g}": s for x, s in scores.items()}}
 
 
@@ -60,8 +58,8 @@ class TranslationTask(Task):
         return valid_bleu(model, data, env, self.cfg.eval) if self.cfg.eval.bleu else {}
 
     def tune(self, model, data, env) -> Optional[Dict[str, float]]:
-        grid = list(self.cfg.eval.tune_lenpen)
-        return tune_lenpen(model, data, env, self.cfg.eval, grid) if grid and self.cfg.eval.bleu else None
+        grid = list(self.cfg.eval.tune_lenpen)  # config.check_eval: a grid needs eval.bleu
+        return tune_lenpen(model, data, env, self.cfg.eval, grid) if grid else None
 
     def sample_sentence(self, data) -> Optional[str]:
         return data.valid_srcs[0] if data.valid_srcs else None

@@ -56,30 +56,30 @@ class RunEnd:
         best = self.checkpointer.folder / "best.pt" if self.checkpointer is not None else None
         path = self.env.broadcast_object(str(best) if best is not None and best.is_file() else None)
         if path is not None:
-            self.model.load_state_dict(model_weights(load_checkpoint(path)))
-            self.tune_decoding(path)
+            ckpt = load_checkpoint(path)
+            self.model.load_state_dict(model_weights(ckpt))
+            self.tune_decoding(path, ckpt)
         values = self.task.test(self.model, self.data, self.env)
         if values:
             self.metrics.log("test", self.step, self.epoch, **values, checkpoint="best" if path else "last")
         self._log_figures()
         self._summary(path)
 
-    def tune_decoding(self, best: str) -> None:
-        """eval.tune_lenpen: the task scores best.pt's weights (loaded) on validation at each length penalty;
-        the choice goes into best.pt as ckpt["decoding"], which transformer-evaluate/translate apply over the
-        saved eval config. Collective."""
+    def tune_decoding(self, best: str, ckpt: dict) -> None:
+        """eval.tune_lenpen: the task scores best.pt's weights (`ckpt`, loaded) on validation at each length
+        penalty; the choice goes into best.pt as ckpt["decoding"], which transformer-evaluate/translate apply
+        over the saved eval config. Collective."""
         tuned = self.task.tune(self.model, self.data, self.env)
         if tuned is not None:
             self.metrics.log("tune", self.step, self.epoch, **tuned)
-            self._store_decoding(Path(best), tuned)
+            self._store_decoding(Path(best), ckpt, tuned)
 
     @rank_zero
-    def _store_decoding(self, best: Path, tuned: dict) -> None:
+    def _store_decoding(self, best: Path, ckpt: dict, tuned: dict) -> None:
         # best.pt is a hard link: rewrite the file it shares, then point every link to it at the new file.
         target = self.checkpointer.target(best)
         links = [p for p in (best, self.checkpointer.folder / "last.pt")
                  if p != target and p.exists() and p.samefile(target)]
-        ckpt = load_checkpoint(target)
         ckpt["decoding"] = {"lenpen": tuned["lenpen"], "chosen_on": "validation BLEU",
                             "val_bleu": {k: v for k, v in tuned.items() if k != "lenpen"}}
         atomic_save(ckpt, target)
