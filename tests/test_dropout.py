@@ -60,3 +60,63 @@ def test_compiles_into_one_graph():
     compiled = torch.compile(drop, backend="eager", fullgraph=True)  # fullgraph: a graph break raises
     out = compiled(torch.ones(4, 8))
     assert torch.all((out == 0) | torch.isclose(out, torch.tensor(1 / 0.7)))
+
+
+# ---- attention dropout on CPUs (transformer/model/layers.py: _cpu_dropout_attention) ----------------------
+
+def _attention_inputs(dtype, B=3, h=2, T=5, S=7, d_k=8):
+    torch.manual_seed(4)
+    q = torch.randn(B, h, T, d_k, dtype=dtype, requires_grad=True)
+    k = torch.randn(B, h, S, d_k, dtype=dtype, requires_grad=True)
+    v = torch.randn(B, h, S, d_k, dtype=dtype, requires_grad=True)
+    mask = torch.ones(B, 1, 1, S, dtype=torch.bool)
+    mask[0, ..., 4:] = False  # a padded source
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cpu_attention_without_drops_is_sdpa(monkeypatch, dtype, causal):
+    """With a mask that keeps everything, the CPU path is SDPA's (fp32 inside, like SDPA's math path)."""
+    import torch.nn.functional as F
+
+    from transformer.model import layers
+    monkeypatch.setattr(layers, "keep_mask", lambda shape, p, dt: torch.ones(shape, dtype=dt))
+    q, k, v, mask = _attention_inputs(dtype, S=5 if causal else 7)
+    mask = None if causal else mask
+    ours = layers._cpu_dropout_attention(q, k, v, mask, causal, 0.3)
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, is_causal=causal)
+    assert ours.dtype == dtype
+    assert torch.allclose(ours.float(), ref, atol=1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_cpu_attention_drops_weights_with_the_cheap_mask():
+    """Seeded, the output is softmax(QK^T/sqrt(d_k)) * keep_mask @ V with the same draw; gradients pass gradcheck
+    through a fixed mask."""
+    from transformer.model.layers import _cpu_dropout_attention
+    q, k, v, mask = _attention_inputs(torch.float64)
+    torch.manual_seed(5)
+    out = _cpu_dropout_attention(q, k, v, mask, False, 0.25)
+    torch.manual_seed(5)
+    scores = (q @ k.transpose(-2, -1) / 8 ** 0.5).masked_fill(~mask, float("-inf"))
+    drops = keep_mask(torch.Size([3, 2, 5, 7]), 0.25, torch.float64)
+    assert torch.allclose(out, (scores.softmax(-1) * drops) @ v)
+    assert (drops == 0).any() and (drops > 1).any()
+
+    def seeded(q, k, v):
+        torch.manual_seed(5)
+        return _cpu_dropout_attention(q, k, v, mask, False, 0.25)
+    assert torch.autograd.gradcheck(seeded, (q, k, v))
+
+
+def test_training_attention_uses_the_cpu_path_only_with_dropout(monkeypatch):
+    from transformer.model import layers
+    calls = []
+    real = layers._cpu_dropout_attention
+    monkeypatch.setattr(layers, "_cpu_dropout_attention", lambda *a: calls.append(a[-1]) or real(*a))
+    attn = layers.MultiHeadAttention(16, 2, 0.1)
+    x = torch.randn(2, 3, 16)
+    attn.train()(x, is_causal=True)
+    attn.eval()(x, is_causal=True)  # no dropout: SDPA's fused kernel
+    layers.MultiHeadAttention(16, 2, 0.0).train()(x)
+    assert calls == [0.1]

@@ -75,6 +75,7 @@ class TrainerConfig:
     dropout_by_epoch: List[float] = field(default_factory=list)  # P_drop of epochs 0, 1, ...; model.dropout after
     # Speed switches (transformer/training/speedups.py; measured or not, README "Performance"):
     tf32: bool = True  # GPUs: float32 matrix products in TF32 (no effect on bf16 autocast's products)
+    keep_freed_memory: bool = True  # CPUs (glibc): freed tensor memory is reused, not handed back to the kernel
     pad_to_multiple: Optional[int] = None  # batch lengths padded up to a multiple; None: 8 with compile, else 1
     activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory
     ddp_bucket_mb: int = 25  # DDP gradient bucket size

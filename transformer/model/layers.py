@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer.model.dropout import Dropout
+from transformer.model.dropout import Dropout, keep_mask
 
 
 def no_cudnn_attention(device: torch.device) -> None:
@@ -70,6 +70,8 @@ class MultiHeadAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.keep_attention:
             out = self._explicit_attention(q, k, v, mask, is_causal)
+        elif p > 0 and q.device.type == "cpu" and not torch.compiler.is_compiling():
+            out = _cpu_dropout_attention(q, k, v, mask, is_causal, p)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
         out = out.transpose(1, 2).reshape(B, T, self.h * self.d_k)  # (B, T, d_model)
@@ -77,15 +79,33 @@ class MultiHeadAttention(nn.Module):
 
     def _explicit_attention(self, q, k, v, mask, is_causal):
         """softmax(Q K^T / sqrt(d_k)) V, Equation (1), keeping the weights (no dropout: used at inference)."""
-        scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_k)  # (B, h, T, S)
-        if is_causal:
-            T, S = scores.shape[-2:]
-            mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = scores.softmax(dim=-1)
+        weights = attention_weights(q, k, mask, is_causal)
         self.last_attention = weights.detach()
         return weights @ v
+
+
+def attention_weights(q: torch.Tensor, k: torch.Tensor, mask, is_causal: bool) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d_k)) of Equation (1): q (B, h, T, d_k), k (B, h, S, d_k) -> (B, h, T, S)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.size(-1))  # (B, h, T, S)
+    if is_causal:
+        T, S = scores.shape[-2:]
+        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(dim=-1)
+
+
+def _cpu_dropout_attention(q, k, v, mask, is_causal: bool, p: float) -> torch.Tensor:
+    """Equation (1) with dropout on the weights (Section 5.4), as SDPA computes it on a CPU, but with the cheap
+    dropout mask of transformer/model/dropout.py. With dropout, SDPA on a CPU takes its math path, which draws
+    one Bernoulli sample per weight: 9 calls a step, ~5% of an experiment=multi30k step on 2 cores. Like that
+    path, products and softmax run in fp32 whatever the input dtype (autocast off), and the result returns to it.
+    q (B, h, T, d_k), k and v (B, h, S, d_k) -> (B, h, T, d_k)."""
+    compute = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 (gradcheck)
+    with torch.autocast("cpu", enabled=False):
+        weights = attention_weights(q.to(compute), k.to(compute), mask, is_causal)
+        weights = weights * keep_mask(weights.shape, p, weights.dtype)
+        return (weights @ v.to(compute)).to(v.dtype)
 
 
 class FeedForward(nn.Module):
