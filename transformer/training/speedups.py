@@ -26,7 +26,9 @@ def configure_backends(tcfg, device: torch.device) -> None:
     attention kernels that need no per-shape plan (transformer/model/layers.py). On CPUs, the allocator
     setting of `keep_freed_memory`."""
     if device.type == "cpu" and tcfg.keep_freed_memory:
-        keep_freed_memory()
+        kept = keep_freed_memory()
+        note("freed CPU memory %s (trainer.keep_freed_memory)" % ("is kept for reuse" if kept else
+                                                                  "goes back to the kernel: not glibc"))
     if device.type != "cuda":
         return
     torch.set_float32_matmul_precision("high" if tcfg.tf32 else "highest")
@@ -86,6 +88,11 @@ def emulated_bf16(device: torch.device) -> Optional[str]:
 @rank_zero
 def warn(message: str) -> None:
     log.warning(message)
+
+
+@rank_zero
+def note(message: str) -> None:
+    log.info(message)
 
 
 def pad_multiple(tcfg) -> int:
