@@ -34,7 +34,7 @@ import resource, sys, torch
 from transformer.training.speedups import keep_freed_memory
 if sys.argv[1] == "on":
     assert keep_freed_memory()
-for _ in range(10):  # warm-up: the heap grows to its size for this pattern (a few allocations)
+for _ in range(10):  # warm-up: the heap grows to its size for this pattern
     torch.ones(1 << 24)  # 64 MiB of float32, freed at once
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(5):

@@ -27,6 +27,11 @@ def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype) -> torch.Tensor:
     return keep.to(dtype).mul_(_LEVELS / (_LEVELS - dropped))
 
 
+def uses_keep_mask(x: torch.Tensor) -> bool:
+    """Whether dropout on `x` draws `keep_mask` (eager CPU tensors) rather than torch's own dropout."""
+    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def check_rate(p: float) -> float:
     if not 0 <= p < 1:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
@@ -43,7 +48,7 @@ class Dropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        if x.device.type != "cpu" or torch.compiler.is_compiling():
+        if not uses_keep_mask(x):
             return F.dropout(x, self.p, training=True)
         return x * keep_mask(x.shape, self.p, x.dtype)
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer.model.dropout import Dropout, keep_mask
+from transformer.model.dropout import Dropout, keep_mask, uses_keep_mask
 
 
 def no_cudnn_attention(device: torch.device) -> None:
@@ -70,7 +70,7 @@ class MultiHeadAttention(nn.Module):
         p = self.dropout if self.training else 0.0
         if self.keep_attention:
             out = self._explicit_attention(q, k, v, mask, is_causal)
-        elif p > 0 and q.device.type == "cpu" and not torch.compiler.is_compiling():
+        elif p > 0 and uses_keep_mask(q):
             out = _cpu_dropout_attention(q, k, v, mask, is_causal, p)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
