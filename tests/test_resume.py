@@ -46,6 +46,7 @@ def resumed(tmp_path: Path, base: tuple, cut: int) -> Path:
     assert last_ckpt(run)["trainer"]["step"] == cut
     res = train(run, *base, cwd=tmp_path)
     assert f"resumed from {run / 'checkpoints'}" in res.stderr and f"at step {cut}" in res.stderr
+    assert "settings other than" not in res.stderr  # a longer trainer.max_steps is no change of settings
     return run
 
 
@@ -99,6 +100,18 @@ def test_resume_skips_truncated_checkpoint(tmp_path, ref_one):
     assert "skipping corrupt checkpoint" in res.stderr and "step_00000005.pt" in res.stderr
     assert "at step 4" in res.stderr
     assert_same_state(last_ckpt(run), last_ckpt(ref_one))
+
+
+def test_resume_with_other_settings_names_them(tmp_path, ref_one):
+    """Rerunning an ended run's directory with other overrides (another seed, say) resumes it; one warning
+    names each changed key with both values, so a run that looks new but continues is not a surprise."""
+    run = tmp_path / "run"
+    shutil.copytree(ref_one, run)
+    res = train(run, *ONE, "seed=7", "trainer.max_steps=10", "eval.beam=2", cwd=tmp_path)
+    warned = [line for line in res.stderr.splitlines() if "settings other than" in line]
+    assert len(warned) == 1, res.stderr[-3000:]
+    assert "eval.beam=1 -> 2; seed=1234 -> 7." in warned[0] and "max_steps" not in warned[0]
+    assert last_ckpt(run)["trainer"]["step"] == 10
 
 
 @pytest.mark.distributed

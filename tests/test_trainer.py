@@ -11,7 +11,14 @@ from transformer.data.copy import CopyData
 from transformer.dist import DistEnv
 from transformer.model import Transformer
 from transformer.tasks import build_task
-from transformer.training.checkpoint import Checkpointer, CheckpointError, atomic_save, load_checkpoint, load_model
+from transformer.training.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    atomic_save,
+    changed_settings,
+    load_checkpoint,
+    load_model,
+)
 from transformer.training.trainer import Trainer
 
 SMALL = ["experiment=copy", "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2",
@@ -292,3 +299,12 @@ def test_dropout_by_epoch_sets_each_epochs_rate_and_resumes_with_it(tmp_path):
     other = make_trainer(tmp_path / "o", *common, "trainer.max_epochs=1", "model.dropout=0.3")
     assert other.train() == 0
     assert any(not torch.equal(a, b) for a, b in zip(other.model.parameters(), plain.model.parameters(), strict=True))
+
+
+def test_changed_settings_lists_differences_but_not_the_run_length():
+    saved = {"seed": 1, "trainer": {"max_minutes": 5.0, "clip_norm": 1.0}, "eval": {"tune_lenpen": [1.0, 1.2]}}
+    now = {"seed": 2, "trainer": {"max_minutes": 9.0, "clip_norm": 1.0, "new_key": 3},
+           "eval": {"tune_lenpen": [1.0]}, "hydra": {"run": {"dir": "x"}}}
+    assert changed_settings(saved, now) == ["eval.tune_lenpen=[1.0, 1.2] -> [1.0]", "seed=1 -> 2",
+                                            "trainer.new_key=<none> -> 3"]
+    assert changed_settings(saved, saved) == []

@@ -10,7 +10,7 @@ import pickle
 import re
 import warnings
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -24,8 +24,33 @@ STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 TEMP_FILE = re.compile(r"^\.(step_\d+|last|best|average_last\d+)\.pt\.[\w-]+\.tmp$")
 
 
+# When a run stops, how it shows progress, where its inputs are: a resumed run may change these and still
+# continue exactly (a larger trainer.max_minutes is how an ended run trains on).
+MAY_CHANGE_ON_RESUME = ("trainer.max_minutes", "trainer.max_steps", "trainer.max_epochs", "trainer.resume",
+                        "trainer.init_from", "trainer.progress", "data.root", "data.progress")
+
+
 class CheckpointError(RuntimeError):
     pass
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_settings(saved: dict, current: dict) -> List[str]:
+    """`key=old -> new` for each setting (flattened config) in which `current` differs from the config a
+    checkpoint was written with, apart from MAY_CHANGE_ON_RESUME; `<none>` marks a key one side lacks."""
+    old, new = _flat(saved), _flat(current)
+    return [f"{k}={old.get(k, '<none>')} -> {new.get(k, '<none>')}" for k in sorted(old.keys() | new.keys())
+            if k not in MAY_CHANGE_ON_RESUME and k != "hydra" and not k.startswith("hydra.")
+            and old.get(k, "<none>") != new.get(k, "<none>")]
 
 
 def atomic_save(obj, path: Path) -> None:

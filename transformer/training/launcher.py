@@ -20,13 +20,13 @@ import torch.multiprocessing as mp
 
 from transformer import dist, exit_codes
 from transformer.atomic import write_text_atomic
-from transformer.config import ConfigError, from_container
+from transformer.config import ConfigError, from_container, to_container
 from transformer.data import build_data
 from transformer.data.download import DownloadError
 from transformer.model import Transformer
 from transformer.tasks import build_task
-from transformer.training.checkpoint import CheckpointError, load_checkpoint
-from transformer.training.logs import setup_logging, start_file_log
+from transformer.training.checkpoint import CheckpointError, changed_settings, load_checkpoint
+from transformer.training.logs import setup_logging, start_file_log, warn
 from transformer.training.trainer import Trainer
 
 log = logging.getLogger("transformer")
@@ -141,9 +141,14 @@ def restore(trainer: Trainer, cfg, env: dist.DistEnv) -> None:
     elif resume != "none":
         path = resume
     if path is not None:
-        trainer.load_state_dict(ckpt if ckpt is not None else load_checkpoint(path), path)
+        ckpt = ckpt if ckpt is not None else load_checkpoint(path)
+        trainer.load_state_dict(ckpt, path)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", path, trainer.step, trainer.epoch,
                  trainer.batch_index)
+        changed = changed_settings(ckpt.get("config", {}), to_container(cfg))
+        if changed:  # the weights, optimiser and RNG states continue; the new values apply from here on
+            warn(f"resumed with settings other than those {path} was trained with: {'; '.join(changed)}. "
+                 "The run goes on with the new values; an exact continuation needs the old ones")
     elif cfg.trainer.init_from:
         trainer.load_weights(load_checkpoint(cfg.trainer.init_from), cfg.trainer.init_from)
         log.info("initialised weights from %s", cfg.trainer.init_from)

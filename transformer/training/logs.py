@@ -21,6 +21,17 @@ from transformer.dist import get_env, rank_zero
 log = logging.getLogger("transformer")
 
 
+@rank_zero
+def warn(message: str) -> None:
+    """A warning logged once for the run (global rank 0), not once per worker."""
+    log.warning(message)
+
+
+@rank_zero
+def note(message: str) -> None:
+    log.info(message)
+
+
 def setup_logging(run_dir: Path | None) -> None:
     env = get_env()
     root = logging.getLogger()

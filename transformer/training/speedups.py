@@ -3,7 +3,6 @@ recompiles, DDP options and activation checkpointing. Each is a `trainer.*` key 
 the README's Performance section says which defaults were measured and which were not.
 """
 import ctypes
-import logging
 import os
 import sys
 from typing import Optional
@@ -13,10 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from transformer.data.batch import PAD, Batch
-from transformer.dist import rank_zero
 from transformer.model.layers import no_cudnn_attention
-
-log = logging.getLogger(__name__)
+from transformer.training.logs import note
 
 
 def configure_backends(tcfg, device: torch.device) -> None:
@@ -84,16 +81,6 @@ def emulated_bf16(device: torch.device) -> Optional[str]:
         return ("trainer.precision=bf16 on a GPU before Ampere (compute capability < 8): bf16 is emulated "
                 "there; trainer.precision=fp16 (or auto, fp32 there) trains faster on this GPU")
     return None
-
-
-@rank_zero
-def warn(message: str) -> None:
-    log.warning(message)
-
-
-@rank_zero
-def note(message: str) -> None:
-    log.info(message)
 
 
 def pad_multiple(tcfg) -> int:

@@ -26,7 +26,7 @@ from transformer.training.checkpoint import (
 )
 from transformer.training.ema import EMA
 from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
-from transformer.training.logs import MetricsLogger, Progress, gpu_stats
+from transformer.training.logs import MetricsLogger, Progress, gpu_stats, warn
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.optim import build_optimizer, fall_steps
 from transformer.training.quality import RunClock, TimeToQuality
@@ -62,7 +62,7 @@ class Trainer(RunEnd):
         self.amp_dtype = autocast_dtype(self.tcfg.precision, env.device)
         slow_bf16 = speedups.emulated_bf16(env.device) if self.amp_dtype == torch.bfloat16 else None
         if slow_bf16:
-            speedups.warn(slow_bf16)
+            warn(slow_bf16)
         self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
         speedups.configure_backends(self.tcfg, env.device)
         if self.tcfg.activation_checkpointing:
