@@ -48,9 +48,9 @@ def changed_settings(saved: dict, current: dict) -> List[str]:
     """`key=old -> new` for each setting (flattened config) in which `current` differs from the config a
     checkpoint was written with, apart from MAY_CHANGE_ON_RESUME; `<none>` marks a key one side lacks."""
     old, new = _flat(saved), _flat(current)
-    return [f"{k}={old.get(k, '<none>')} -> {new.get(k, '<none>')}" for k in sorted(old.keys() | new.keys())
-            if k not in MAY_CHANGE_ON_RESUME and k != "hydra" and not k.startswith("hydra.")
-            and old.get(k, "<none>") != new.get(k, "<none>")]
+    keys = sorted(k for k in old.keys() | new.keys() if k.split(".")[0] != "hydra" and k not in MAY_CHANGE_ON_RESUME)
+    pairs = [(k, old.get(k, "<none>"), new.get(k, "<none>")) for k in keys]
+    return [f"{k}={a} -> {b}" for k, a, b in pairs if a != b]
 
 
 def atomic_save(obj, path: Path) -> None:
