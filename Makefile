@@ -38,8 +38,10 @@ test-gpu: install  ## needs a CUDA GPU
 # importable there too). GPU tier + transformer-bench for base and big; results appended to BENCH_OUT.
 GPU_PYTHON ?= python3
 BENCH_OUT ?= outputs/bench-gpu-$(shell date +%Y%m%d-%H%M%S).jsonl
+# BENCH_ARGS="--decode-checkpoint RUN/checkpoints/best.pt": decoding speed of a trained model (no spaCy needed)
+BENCH_ARGS ?=
 bench-gpu:  ## GPU tier and GPU benchmarks, under 10 minutes
-	$(GPU_PYTHON) benchmarks/bench_gpu.py --out $(BENCH_OUT)
+	$(GPU_PYTHON) benchmarks/bench_gpu.py --out $(BENCH_OUT) $(BENCH_ARGS)
 
 test-all: test test-slow test-docker test-slurm
 

@@ -1,11 +1,14 @@
 """`make bench-gpu`: the GPU test tier, then transformer-bench for model=base and model=big at a few
-data.max_tokens, then decoding speed when Multi30k is at hand. Prints a Markdown table (for the README)
+data.max_tokens, then decoding speed when Multi30k is at hand (a trained checkpoint's, with --decode-checkpoint; else a
+random model on spaCy vocabularies, which needs spaCy). Prints a Markdown table (for the README)
 and appends every record, one JSON object a line, to --out. Uses the interpreter it runs under: a
 machine's own CUDA torch, with this package importable from the repository (no install, no download).
 
     python benchmarks/bench_gpu.py --out outputs/bench-gpu.jsonl [--skip-tests] [--only base]
+        [--decode-checkpoint RUN/checkpoints/best.pt]
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -63,11 +66,17 @@ def run_bench(model: str, max_tokens: int, extra: tuple, out: Path):
     return record
 
 
-def run_decode(out: Path) -> None:
-    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_decode.py"), "--device", "cuda",
-                          "--skip-slow"], cwd=REPO, env=env(), capture_output=True, text=True)
+def run_decode(out: Path, checkpoint) -> None:
+    # A trained checkpoint decodes until </s> (its tokenizer travels in the file); the random model needs spaCy.
+    args = [str(checkpoint), "--stop-at-eos"] if checkpoint else ["--skip-slow"]
+    if not checkpoint and importlib.util.find_spec("spacy") is None:
+        print("decoding: skipped (spaCy is not importable here; pass --decode-checkpoint RUN/checkpoints/best.pt)")
+        append(out, {"kind": "decode", "skipped": "spacy not importable"})
+        return
+    res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_decode.py"), *args, "--device", "cuda"],
+                         cwd=REPO, env=env(), capture_output=True, text=True)
     print(res.stdout, res.stderr[-2000:], sep="\n", flush=True)
-    append(out, {"kind": "decode", "returncode": res.returncode, "output": res.stdout})
+    append(out, {"kind": "decode", "args": args, "returncode": res.returncode, "output": res.stdout})
 
 
 def markdown(records) -> str:
@@ -87,6 +96,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=REPO / "outputs" / f"bench-gpu-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("--only", choices=["base", "big"], help="benchmark one model size only")
+    p.add_argument("--decode-checkpoint", type=Path, help="time decoding with this trained checkpoint")
     args = p.parse_args()
     import torch
 
@@ -101,7 +111,7 @@ def main() -> int:
                if (r := run_bench(m, tokens, extra, args.out)) is not None]
     multi30k = Path(os.environ.get("MULTI30K_DIR") or REPO.parent / "shared" / "data" / "multi30k")
     if (multi30k / "test_2016_flickr.de.gz").is_file():
-        run_decode(args.out)
+        run_decode(args.out, args.decode_checkpoint)
     else:
         print(f"decoding: skipped (no Multi30k in {multi30k}; set MULTI30K_DIR)")
     print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "

@@ -116,3 +116,20 @@ def test_bench_under_torchrun_reports_the_whole_job(tmp_path):
     r = json.loads(lines[0])
     assert r["workers"] == 2 and r["communication_ms"] is not None and r["communication_ms"] >= 0
     assert r["sentences_per_s"] > 0 and list(tmp_path.iterdir()) == []
+
+
+def test_bench_gpu_skips_decoding_without_spacy_and_says_how(tmp_path, monkeypatch, capsys):
+    """GPU machines often lack spaCy (the H200 lent on 2026-11-26 did): the random model's vocabularies need it,
+    so make bench-gpu says so in one line and records the skip instead of printing a traceback."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_gpu", Path(__file__).parents[1] / "benchmarks/bench_gpu.py")
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "spacy" else real_find_spec(name))
+    monkeypatch.setattr(bench_gpu.subprocess, "run", lambda *a, **k: pytest.fail("bench_decode.py was started"))
+    out = tmp_path / "bench.jsonl"
+    bench_gpu.run_decode(out, None)
+    assert "--decode-checkpoint" in capsys.readouterr().out
+    assert json.loads(out.read_text()) == {"kind": "decode", "skipped": "spacy not importable"}
