@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.benchmarks import load_benchmark
 from tests.helpers.cli import cli_env
 from tests.helpers.data import MULTI30K, needs_multi30k
 from transformer.training.bench import peak_tflops
@@ -123,9 +124,7 @@ def test_bench_gpu_skips_decoding_without_spacy_and_says_how(tmp_path, monkeypat
     so make bench-gpu says so in one line and records the skip instead of printing a traceback."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_gpu", Path(__file__).parents[1] / "benchmarks/bench_gpu.py")
-    bench_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_gpu)
+    bench_gpu = load_benchmark("bench_gpu")
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "spacy" else real_find_spec(name))
     monkeypatch.setattr(bench_gpu.subprocess, "run", lambda *a, **k: pytest.fail("bench_decode.py was started"))

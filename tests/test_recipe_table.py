@@ -1,14 +1,12 @@
 """benchmarks/recipe_table.py: the search table is built from what runs wrote (validation only)."""
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-_FILE = Path(__file__).parents[1] / "benchmarks" / "recipe_table.py"
-_SPEC = importlib.util.spec_from_file_location("recipe_table", _FILE)
-recipe_table = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(recipe_table)
+from tests.helpers.benchmarks import load_benchmark
+
+recipe_table = load_benchmark("recipe_table")
 
 
 def fake_run(folder: Path, overrides, valid, test_bleu=99.0) -> Path:
