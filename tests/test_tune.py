@@ -41,7 +41,21 @@ def test_the_best_bleu_wins_and_a_tie_keeps_the_first(monkeypatch, by_lenpen, ch
     assert got["lenpen"] == chosen
 
 
+@pytest.mark.parametrize("valid_beam,want_beam", [(None, 5), (1, 1), (3, 3)])
+def test_validation_decodes_with_valid_beam_and_tuning_with_beam(monkeypatch, valid_beam, want_beam):
+    seen = []
+    monkeypatch.setattr(translation, "valid_bleu", lambda model, data, env, ev: seen.append(ev) or {"val_bleu": 1.0})
+    cfg = compose_cfg("experiment=multi30k", f"eval.valid_beam={'null' if valid_beam is None else valid_beam}",
+                      "eval.nbest=2")
+    task = translation.TranslationTask(cfg)
+    task.validate(None, None, DistEnv())
+    assert (seen[0].beam, seen[0].nbest) == (want_beam, 1 if valid_beam is not None else 2)
+    task.tune(None, None, DistEnv())  # the length penalty is chosen with the evaluation's beam
+    assert {ev.beam for ev in seen[1:]} == {5} and len(seen) == 1 + len(cfg.eval.tune_lenpen)
+
+
 @pytest.mark.parametrize("overrides,message", [
+    (["eval.valid_beam=0"], "eval.valid_beam=0: must be >= 1 or null"),
     (["eval.tune_lenpen=[1.0,nan]"], "eval.tune_lenpen=[1.0, nan]: must be finite numbers"),
     (["eval.tune_lenpen=[1.0,1.0]"], "eval.tune_lenpen=[1.0, 1.0]: has a value twice"),
     (["eval.tune_lenpen=[1.0]", "eval.bleu=false"], "eval.tune_lenpen=[1.0]: ranks by validation BLEU"),

@@ -55,7 +55,12 @@ class TranslationTask(Task):
                 Metric("val_chrf", higher_is_better=True)]
 
     def validate(self, model, data, env) -> Dict[str, float]:
-        return valid_bleu(model, data, env, self.cfg.eval) if self.cfg.eval.bleu else {}
+        if not self.cfg.eval.bleu:
+            return {}
+        ev = eval_from_dict(to_container(self.cfg.eval))
+        if ev.valid_beam is not None:
+            ev = replace(ev, beam=ev.valid_beam, nbest=1)
+        return valid_bleu(model, data, env, ev)
 
     def tune(self, model, data, env) -> Optional[Dict[str, float]]:
         grid = list(self.cfg.eval.tune_lenpen)  # config.check_eval: a grid needs eval.bleu
