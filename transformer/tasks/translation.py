@@ -7,6 +7,11 @@ from transformer.decoding import translate_sentences
 from transformer.tasks.base import Metric, Task
 
 
+def as_eval_config(ev) -> EvalConfig:
+    """The run's `eval` section (a DictConfig) as the EvalConfig dataclass, so `replace` can vary it."""
+    return ev if isinstance(ev, EvalConfig) else eval_from_dict(to_container(ev))
+
+
 def valid_bleu(model, data, env, ev) -> Dict[str, float]:
     """Corpus BLEU and chrF of the model's translations of the validation sources `data.valid_srcs` (the
     first `ev.bleu_sentences` if set) against `data.valid_refs`.
@@ -37,7 +42,7 @@ def tune_lenpen(model, data, env, ev, grid: List[float]) -> Dict[str, float]:
     """Validation BLEU at each length penalty of `grid`, as the paper chose its beam and length penalty "after
     experimentation on the development set" (section 6.1); {"lenpen": the best, "val_bleu_lenpen<x>": BLEU
     at x, ...}. A tie keeps the earlier value of `grid`. Collective."""
-    base = ev if isinstance(ev, EvalConfig) else eval_from_dict(to_container(ev))
+    base = as_eval_config(ev)
     scores = {}
     for lenpen in grid:
         scores[float(lenpen)] = valid_bleu(model, data, env, replace(base, lenpen=float(lenpen)))["val_bleu"]
@@ -57,7 +62,7 @@ class TranslationTask(Task):
     def validate(self, model, data, env) -> Dict[str, float]:
         if not self.cfg.eval.bleu:
             return {}
-        ev = eval_from_dict(to_container(self.cfg.eval))
+        ev = as_eval_config(self.cfg.eval)
         if ev.valid_beam is not None:
             ev = replace(ev, beam=ev.valid_beam, nbest=1)
         return valid_bleu(model, data, env, ev)
