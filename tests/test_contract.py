@@ -49,6 +49,8 @@ TRAIN_CASES = [
     (["experiment=copy", "hydra.run.dir=notes.txt/run"], ["hydra.run.dir", "is a file, not a folder"]),
     (["data=files", "data.files.train=nowhere/train", "data.files.val=nowhere/val", *TINY[1:], "trainer.max_steps=2"],
      ["nowhere/train"]),
+    (["experiment=copy", "data.bpe_dropout=0.1"], ["data.bpe_dropout=0.1", "needs tokenizer=bpe"]),
+    (["experiment=multi30k", "data.bpe_dropout=1.5"], ["data.bpe_dropout=1.5", "must be >= 0 and < 1"]),
 ]
 if not torch.cuda.is_available():
     TRAIN_CASES.append((["experiment=copy", "trainer.accelerator=gpu", "trainer.devices=2"],

@@ -129,3 +129,28 @@ def test_resume_refuses_other_world_size(tmp_path, ref_one, ref_two):
             in last_line, res.stderr[-3000:]
         assert "trainer.init_from" in last_line  # and says what to do instead
         assert {p: p.stat().st_mtime_ns for p in (run / "checkpoints").iterdir()} == before
+
+
+def test_resume_with_bpe_dropout_is_bit_exact(tmp_path):
+    """data.bpe_dropout: an epoch's segmentations are a function of (seed, epoch), so a run cut mid-epoch
+    goes on with the ids it would have seen (translation on a tiny corpus, two epochs)."""
+    from tests.helpers.cli import train_cmd
+    from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, write_corpus
+    from tests.helpers.dist import env_for, run_cli
+    corpus = tmp_path / "corpus"
+    base = ("data=files", f"data.files.train={write_corpus(corpus, 'train', TRAIN_DE * 6, TRAIN_EN * 6)}",
+            f"data.files.val={write_corpus(corpus, 'val', VAL_DE, VAL_EN)}", "tokenizer=bpe",
+            "tokenizer.vocab_size=120", "tokenizer.min_freq=1", "data.bpe_dropout=0.3", "data.max_tokens=200",
+            "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2", *DROPOUT, "trainer.max_steps=11",
+            "trainer.max_epochs=null", "trainer.val_every=100", "checkpoint.every_steps=100", "trainer.progress=false")
+    env = env_for(XDG_CACHE_HOME=str(tmp_path / "cache"))
+
+    def run(run_dir: Path, *extra: str):
+        return run_cli(train_cmd(*base, f"hydra.run.dir={run_dir}", *extra), tmp_path, env=env)
+
+    run(tmp_path / "ref")
+    ref = last_ckpt(tmp_path / "ref")
+    assert ref["trainer"]["epoch"] >= 1  # the run crossed an epoch boundary: a second epoch's segmentations
+    run(tmp_path / "run", "trainer.max_steps=3")
+    assert "resumed from" in run(tmp_path / "run").stderr
+    assert_same_state(last_ckpt(tmp_path / "run"), ref)

@@ -202,6 +202,8 @@ def check_data(d) -> None:
            "must all be > 0")
     _check(d.max_sentences is None or d.max_sentences > 0, "data.max_sentences", d.max_sentences, "must be > 0")
     _check(d.bad_pairs in ("skip", "error"), "data.bad_pairs", d.bad_pairs, "must be skip or error")
+    _check(0.0 <= d.bpe_dropout < 1.0, "data.bpe_dropout", d.bpe_dropout, "must be >= 0 and < 1")
+    _check(d.bpe_dropout_samples >= 1, "data.bpe_dropout_samples", d.bpe_dropout_samples, "must be >= 1")
     _check(d.download_retries >= 1, "data.download_retries", d.download_retries, "must be >= 1")
     _check(d.download_timeout_s > 0, "data.download_timeout_s", d.download_timeout_s, "must be > 0")
     _check(d.download_deadline_s is None or d.download_deadline_s > 0, "data.download_deadline_s",
@@ -238,6 +240,8 @@ def validate(cfg: DictConfig) -> None:
     _check(cfg.optim.anneal == 0 or cfg.trainer.max_steps is not None or cfg.trainer.max_minutes is not None,
            "optim.anneal", cfg.optim.anneal, "needs the run's length: set trainer.max_steps or trainer.max_minutes")
     check_data(cfg.data)
+    _check(cfg.data.bpe_dropout == 0 or cfg.tokenizer.name == "bpe", "data.bpe_dropout", cfg.data.bpe_dropout,
+           f"needs tokenizer=bpe (tokenizer.name is {cfg.tokenizer.name})")
     check_checkpoint(cfg.checkpoint)
     check_eval(cfg.eval)
 

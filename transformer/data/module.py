@@ -1,5 +1,5 @@
 """What the trainer sees of a dataset: loaders of padded batches for this rank, and the tokenizer."""
-from typing import Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -13,6 +13,8 @@ class DataModule:
 
     `tokenizer` has `encode_src(str) -> list[int]`, `decode_tgt(list[int]) -> str`, `src_vocab_size`,
     `tgt_vocab_size`, `shared_vocab` and `state_dict()` (primitives only, stored in checkpoints).
+    `train_of_epoch`: epoch -> that epoch's training split (BPE-dropout, transformer/data/bpe_dropout.py); its
+    batches are planned from its own lengths. None: `train` every epoch.
     """
 
     task = "translation"  # "copy" for the synthetic task: validated by exact-match accuracy, not BLEU
@@ -20,14 +22,17 @@ class DataModule:
     def __init__(self, train: PairDataset, valid: PairDataset, tokenizer, *, max_tokens: int,
                  max_sentences: Optional[int], seed: int, rank: int, world_size: int, num_workers: int = 0,
                  pin_memory: bool = False, valid_refs: Optional[Sequence[str]] = None,
-                 valid_srcs: Optional[Sequence[str]] = None, max_tokens_by_epoch: Sequence[int] = ()):
+                 valid_srcs: Optional[Sequence[str]] = None, max_tokens_by_epoch: Sequence[int] = (),
+                 train_of_epoch: Optional[Callable[[int], PairDataset]] = None):
         self.train, self.valid, self.tokenizer = train, valid, tokenizer
+        self.train_of_epoch = train_of_epoch
+        self._epochs: Dict[int, Tuple[PairDataset, TokenBatchSampler]] = {}  # the last two epochs asked for
         self.rank, self.world_size = rank, world_size
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.valid_srcs, self.valid_refs = valid_srcs, valid_refs  # raw text of the valid split, for BLEU
-        self.train_sampler = TokenBatchSampler(train.src_sizes, train.tgt_sizes, max_tokens, max_sentences,
-                                               seed=seed, rank=rank, world_size=world_size, shuffle=True,
-                                               max_tokens_by_epoch=max_tokens_by_epoch)
+        self._sampler_args = dict(max_tokens=max_tokens, max_sentences=max_sentences, seed=seed, rank=rank,
+                                  world_size=world_size, shuffle=True, max_tokens_by_epoch=max_tokens_by_epoch)
+        self.train_sampler = TokenBatchSampler(train.src_sizes, train.tgt_sizes, **self._sampler_args)
         self.valid_sampler = TokenBatchSampler(valid.src_sizes, valid.tgt_sizes, max_tokens, max_sentences,
                                                seed=seed, rank=rank, world_size=world_size, shuffle=False)
 
@@ -43,12 +48,23 @@ class DataModule:
     def shared_vocab(self) -> bool:
         return self.tokenizer.shared_vocab
 
+    def _train(self, epoch: int) -> Tuple[PairDataset, TokenBatchSampler]:
+        if self.train_of_epoch is None:
+            return self.train, self.train_sampler
+        if epoch not in self._epochs:
+            data = self.train_of_epoch(epoch)
+            if len(self._epochs) == 2:
+                del self._epochs[next(iter(self._epochs))]  # the oldest
+            self._epochs[epoch] = data, TokenBatchSampler(data.src_sizes, data.tgt_sizes, **self._sampler_args)
+        return self._epochs[epoch]
+
     def num_train_batches(self, epoch: int) -> int:
-        return self.train_sampler.num_batches(epoch)
+        return self._train(epoch)[1].num_batches(epoch)
 
     def train_loader(self, epoch: int, start: int = 0) -> Iterable[Batch]:
         """This rank's batches of `epoch` from index `start` on (the sampler state the trainer saves)."""
-        return self._loader(self.train, self.train_sampler.rank_batches(epoch, start))
+        data, sampler = self._train(epoch)
+        return self._loader(data, sampler.rank_batches(epoch, start))
 
     def valid_loader(self) -> Iterable[Batch]:
         """This rank's shard of the validation split (sums must be all-reduced)."""

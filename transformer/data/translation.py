@@ -195,6 +195,11 @@ def build_translation_data(cfg, env, run_dir: Optional[Path] = None) -> DataModu
         log.info("%s %s->%s: %d train / %d valid pairs, vocab %d/%d (%s), from %s", cfg.data.name, folder.src_lang,
                  folder.tgt_lang, len(splits["train"]), len(splits["valid"]), tokenizer.src_vocab_size,
                  tokenizer.tgt_vocab_size, "shared" if tokenizer.shared_vocab else "separate", folder.folder)
+    train_of_epoch = None
+    if cfg.data.bpe_dropout > 0:
+        from transformer.data.bpe_dropout import BpeDropout
+        train_of_epoch = BpeDropout(tokenizer, splits["train"], cfg.data.bpe_dropout, cfg.data.bpe_dropout_samples,
+                                    cfg.seed, cfg.data.max_len).epoch
     num_workers = cfg.data.num_workers
     if num_workers is None:
         num_workers = 2 if env.device.type == "cuda" else 0
@@ -202,4 +207,4 @@ def build_translation_data(cfg, env, run_dir: Optional[Path] = None) -> DataModu
                       max_tokens=cfg.data.max_tokens, max_sentences=cfg.data.max_sentences, seed=cfg.seed,
                       rank=env.rank, world_size=env.world_size, num_workers=num_workers,
                       pin_memory=env.device.type == "cuda", valid_srcs=valid_srcs, valid_refs=valid_refs,
-                      max_tokens_by_epoch=cfg.data.max_tokens_by_epoch)
+                      max_tokens_by_epoch=cfg.data.max_tokens_by_epoch, train_of_epoch=train_of_epoch)

@@ -1,0 +1,97 @@
+"""BPE-dropout (data.bpe_dropout): plain segmentation equals `tokenizers`' own, epochs are functions of
+(seed, epoch) that decode to the training text, long sentences fall back to the plain segmentation, and the
+DataModule plans every epoch from that epoch's lengths."""
+import random
+
+import numpy as np
+import pytest
+
+from tests.helpers.data import MULTI30K, TRAIN_DE, TRAIN_EN, data_cfg, needs_multi30k, small_files_cfg
+from transformer.data.batch import PairDataset, Ragged
+from transformer.data.bpe_dropout import BpeDropout, merge_ranks, segment
+from transformer.data.tokenizer import BpeTokenizer
+from transformer.data.translation import build_translation_data
+from transformer.dist import DistEnv
+from transformer.specials import UNK
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return BpeTokenizer.train(TRAIN_DE + TRAIN_EN, vocab_size=150, min_freq=1, src_lang="de", tgt_lang="en")
+
+
+def stored(tok, src=TRAIN_DE, tgt=TRAIN_EN) -> PairDataset:
+    return PairDataset(Ragged.from_lists(tok.encode_src_batch(src)), Ragged.from_lists(tok.encode_tgt_batch(tgt)))
+
+
+def sides(data: PairDataset):
+    return [data.src[i].tolist() for i in range(len(data))], [data.tgt[i].tolist() for i in range(len(data))]
+
+
+def test_plain_segmentation_is_the_tokenizers_own(tok):
+    ranks, rng = merge_ranks(tok.tok), random.Random(0)
+    for text in TRAIN_DE + TRAIN_EN:
+        for word, _ in tok.tok.pre_tokenizer.pre_tokenize_str(text):
+            assert segment(word, ranks, 0.0, rng) == [t.value for t in tok.tok.model.tokenize(word)], word
+    plain = stored(tok)
+    for epoch in (0, 5):
+        assert sides(BpeDropout(tok, plain, 0.0, 4, seed=1, max_len=256).epoch(epoch)) == sides(plain)
+
+
+def test_epochs_are_seeded_and_decode_to_the_training_text(tok):
+    plain = stored(tok)
+    bd = BpeDropout(tok, plain, 0.3, 8, seed=7, max_len=256)
+    one, again = bd.epoch(1), BpeDropout(tok, plain, 0.3, 8, seed=7, max_len=256).epoch(1)
+    assert sides(one) == sides(again) == sides(bd.epoch(1))  # a resumed run, or another rank, sees the same
+    assert sides(one) != sides(bd.epoch(2))
+    assert sides(one) != sides(BpeDropout(tok, plain, 0.3, 8, seed=8, max_len=256).epoch(1))
+    assert one.tgt.data.size > plain.tgt.data.size  # dropped merges leave more, shorter pieces
+    src, tgt = sides(one)
+    assert [tok.decode_tgt(s) for s in src] == TRAIN_DE and [tok.decode_tgt(t) for t in tgt] == TRAIN_EN
+    np.testing.assert_array_equal(one.src_sizes, np.array([len(s) + 1 for s in src]))
+
+
+def test_a_sentence_longer_than_max_len_keeps_its_plain_segmentation(tok):
+    plain = stored(tok)
+    limit = int(max(plain.src.lengths.max(), plain.tgt.lengths.max()))
+    epoch = BpeDropout(tok, plain, 0.6, 8, seed=1, max_len=limit).epoch(0)
+    assert max(epoch.src.lengths.max(), epoch.tgt.lengths.max()) <= limit
+    src, plain_src = sides(epoch)[0], sides(plain)[0]
+    longest = int(np.argmax(plain.src.lengths))
+    assert src[longest] == plain_src[longest]  # any dropped merge would have made it longer than the limit
+
+
+def test_a_sentence_with_unknown_characters_keeps_its_stored_ids(tok):
+    data = stored(tok, ["Ein Mann fährt ☃ Fahrrad."], ["A man rides a ☃ bike."])
+    assert UNK in data.src[0].tolist()  # decoding drops <unk>: re-segmenting the text cannot give these ids
+    for epoch in range(3):
+        assert sides(BpeDropout(tok, data, 0.5, 4, seed=1, max_len=256).epoch(epoch)) == sides(data)
+
+
+def test_data_module_plans_each_epoch_from_its_own_lengths(tmp_path):
+    cfg = small_files_cfg(tmp_path, tokenizer="bpe", max_tokens=40, bpe_dropout=0.3)
+    data = build_translation_data(cfg, DistEnv())
+    plain = [b.n_tokens for b in data._loader(data.train, data.train_sampler.rank_batches(0))]
+    for epoch in range(3):
+        batches = list(data.train_loader(epoch))
+        assert len(batches) == data.num_train_batches(epoch)
+        assert sorted(i for b in batches for i in b.ids.tolist()) == list(range(len(TRAIN_EN)))
+        assert all(b.src.numel() <= 40 and b.tgt_in.numel() <= 40 for b in batches)
+        assert sum(b.n_tokens for b in batches) > sum(plain)
+    resumed = [b.tgt_out.tolist() for b in data.train_loader(2, start=1)]  # mid-epoch, as after a resume
+    assert resumed == [b.tgt_out.tolist() for b in data.train_loader(2)][1:]
+
+
+@needs_multi30k
+@pytest.mark.slow
+def test_multi30k_plain_segmentation_reproduces_the_cache(tmp_path):
+    """Every one of Multi30k's 29,000 training pairs re-segments to its stored ids (no sentence kept as
+    stored), and a p=0.1 epoch decodes to the same text."""
+    cfg = data_cfg(tmp_path, "multi30k", "bpe", cache_dir=str(tmp_path / "cache"), max_tokens=2048,
+                   tok={"vocab_size": 8000})
+    cfg.data.root = str(MULTI30K)  # the raw files, only read
+    data = build_translation_data(cfg, DistEnv())
+    assert sides(BpeDropout(data.tokenizer, data.train, 0.0, 1, seed=1, max_len=256).epoch(0)) == sides(data.train)
+    epoch = BpeDropout(data.tokenizer, data.train, 0.1, 8, seed=1, max_len=256).epoch(0)
+    texts = data.tokenizer.tok.decode_batch([data.train.tgt[i].tolist() for i in range(len(data.train))])
+    assert data.tokenizer.tok.decode_batch([epoch.tgt[i].tolist() for i in range(len(epoch))]) == texts
