@@ -82,6 +82,16 @@ def test_data_module_plans_each_epoch_from_its_own_lengths(tmp_path):
     assert resumed == [b.tgt_out.tolist() for b in data.train_loader(2)][1:]
 
 
+def test_epochs_before_bpe_dropout_from_epoch_are_plain(tmp_path):
+    cfg = small_files_cfg(tmp_path, tokenizer="bpe", max_tokens=40, bpe_dropout=0.3, bpe_dropout_from_epoch=2)
+    data = build_translation_data(cfg, DistEnv())
+
+    def tokens(epoch):
+        return sum(b.n_tokens for b in data.train_loader(epoch))
+    plain = int(data.train.tgt.lengths.sum()) + len(data.train)  # + </s> each
+    assert tokens(0) == tokens(1) == plain < tokens(2)
+
+
 @needs_multi30k
 @pytest.mark.slow
 def test_multi30k_plain_segmentation_reproduces_the_cache(tmp_path):

@@ -204,6 +204,7 @@ def check_data(d) -> None:
     _check(d.bad_pairs in ("skip", "error"), "data.bad_pairs", d.bad_pairs, "must be skip or error")
     _check(0.0 <= d.bpe_dropout < 1.0, "data.bpe_dropout", d.bpe_dropout, "must be >= 0 and < 1")
     _check(d.bpe_dropout_samples >= 1, "data.bpe_dropout_samples", d.bpe_dropout_samples, "must be >= 1")
+    _check(d.bpe_dropout_from_epoch >= 0, "data.bpe_dropout_from_epoch", d.bpe_dropout_from_epoch, "must be >= 0")
     _check(d.download_retries >= 1, "data.download_retries", d.download_retries, "must be >= 1")
     _check(d.download_timeout_s > 0, "data.download_timeout_s", d.download_timeout_s, "must be > 0")
     _check(d.download_deadline_s is None or d.download_deadline_s > 0, "data.download_deadline_s",

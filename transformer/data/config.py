@@ -48,9 +48,11 @@ class DataConfig:
     bad_pairs: str = "skip"  # skip (logged count) | error (names the file and line): empty or over-length pairs
     num_workers: Optional[int] = None  # DataLoader workers; None = 2 on GPU, 0 on CPU
     # BPE-dropout (tokenizer=bpe): each training epoch segments words with merges dropped at this rate, from
-    # bpe_dropout_samples segmentations drawn per distinct word (transformer/data/bpe_dropout.py); 0 = off
+    # bpe_dropout_samples segmentations drawn per distinct word (transformer/data/bpe_dropout.py); 0 = off.
+    # Epochs before bpe_dropout_from_epoch train on the plain segmentation.
     bpe_dropout: float = 0.0
     bpe_dropout_samples: int = 8
+    bpe_dropout_from_epoch: int = 0
     # Preprocessed ids, keyed by a hash of data + tokenizer config; None = <user cache dir>/transformer/cache
     cache_dir: Optional[str] = None
     # A folder made by transformer-preprocess: train from it (memory-mapped; every node must see it) instead of

@@ -198,8 +198,12 @@ def build_translation_data(cfg, env, run_dir: Optional[Path] = None) -> DataModu
     train_of_epoch = None
     if cfg.data.bpe_dropout > 0:
         from transformer.data.bpe_dropout import BpeDropout
-        train_of_epoch = BpeDropout(tokenizer, splits["train"], cfg.data.bpe_dropout, cfg.data.bpe_dropout_samples,
-                                    cfg.seed, cfg.data.max_len).epoch
+        dropped = BpeDropout(tokenizer, splits["train"], cfg.data.bpe_dropout, cfg.data.bpe_dropout_samples,
+                             cfg.seed, cfg.data.max_len)
+        start = cfg.data.bpe_dropout_from_epoch
+
+        def train_of_epoch(epoch: int) -> PairDataset:
+            return dropped.epoch(epoch) if epoch >= start else splits["train"]
     num_workers = cfg.data.num_workers
     if num_workers is None:
         num_workers = 2 if env.device.type == "cuda" else 0
