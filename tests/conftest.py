@@ -28,3 +28,12 @@ def _private_cache(tmp_path_factory, monkeypatch):
     """Downloads and preprocessing caches of each test go to a fresh temp folder, never the user's ~/.cache.
     Not inside tmp_path: tests that run the CLI there check that nothing but the run directory appears."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
+@pytest.fixture(autouse=True)
+def _fp32_on_every_cpu(monkeypatch):
+    """trainer.precision=auto is bf16 on CPUs with AMX or AVX512-BF16 units: in-process tests run as on a CPU
+    without them, so every CI machine computes the same numbers; tests of that choice patch it themselves."""
+    from transformer.training import speedups
+
+    monkeypatch.setattr(speedups, "native_bf16_cpu", lambda: False)

@@ -182,7 +182,7 @@ def test_bench_reports_mfu_on_gpu(tmp_path):
 def test_auto_precision_is_bf16_where_supported():
     expected = torch.bfloat16 if torch.cuda.get_device_capability(CUDA)[0] >= 8 else None  # not emulated bf16
     assert autocast_dtype("auto", CUDA) == expected
-    assert autocast_dtype("auto", torch.device("cpu")) is None
+    assert autocast_dtype("auto", torch.device("cpu")) is None  # conftest: tests run as on a CPU without bf16 units
 
 
 def test_flash_attention_kernel_runs_for_causal_self_attention():

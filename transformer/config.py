@@ -63,7 +63,7 @@ class TrainerConfig:
     log_every: int = 50
     devices: str = "auto"  # auto | N: workers spawned by this process (ignored under torchrun)
     accelerator: str = "auto"  # auto | cpu | gpu
-    precision: str = "auto"  # auto (bf16 on a GPU that has it, else fp32) | fp32 | bf16 (also on CPUs) | fp16
+    precision: str = "auto"  # auto (bf16 where the GPU or CPU has bf16 units, else fp32) | fp32 | bf16 | fp16
     resume: str = "auto"  # auto (last good checkpoint of the run directory) | none | PATH
     init_from: Optional[str] = None  # checkpoint whose weights only start a new run
     deterministic: bool = False

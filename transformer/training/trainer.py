@@ -37,14 +37,17 @@ log = logging.getLogger(__name__)
 
 
 def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
-    """The autocast dtype of the forward pass, or None for fp32. On a CPU only an explicit bf16 autocasts:
-    oneDNN runs bf16 products on AMX or AVX512-BF16 units where the CPU has them (model=small 1.3-1.5x
-    faster on this project's CI machine, README "Performance"), but emulates them slowly elsewhere, so auto
-    stays fp32 there; fp16 has no fast CPU kernels and stays fp32 too."""
+    """The autocast dtype of the forward pass, or None for fp32. auto means bf16 where the device multiplies
+    bf16 in hardware and fp32 elsewhere: on a CPU, oneDNN runs bf16 products on AMX or AVX512-BF16 units
+    (model=small 1.16x faster than fp32 on an AMX Xeon) but emulates them elsewhere (36x slower than fp32
+    on an AVX2 EPYC; README "Precision on CPUs"). fp16 has no fast CPU kernels and stays fp32 there."""
     if precision == "fp32":
         return None
+    if device.type == "cpu":
+        native = precision == "auto" and speedups.native_bf16_cpu()
+        return torch.bfloat16 if precision == "bf16" or native else None
     if device.type != "cuda":
-        return torch.bfloat16 if precision == "bf16" and device.type == "cpu" else None
+        return None
     if precision == "auto":
         return torch.bfloat16 if speedups.native_bf16_tf32(device) else None
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
