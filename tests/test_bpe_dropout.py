@@ -90,6 +90,7 @@ def test_epochs_before_bpe_dropout_from_epoch_are_plain(tmp_path):
         return sum(b.n_tokens for b in data.train_loader(epoch))
     plain = int(data.train.tgt.lengths.sum()) + len(data.train)  # + </s> each
     assert tokens(0) == tokens(1) == plain < tokens(2)
+    assert data._train(1)[1] is data.train_sampler  # a plain epoch reuses the stored split's batch plan
 
 
 @needs_multi30k

@@ -35,5 +35,6 @@ def test_old_checkpoint_config_and_args_read_with_the_new_schema():
     ckpt = load_checkpoint(CKPT)
     args = ModelArgs.from_dict(ckpt["model_args"])
     assert (args.N, args.d_model, args.src_vocab_size) == (1, 32, ckpt["model_args"]["src_vocab_size"])
+    assert "N_dec" not in ckpt["model_args"] and args.N_dec == 1  # written before model.N_dec: N each side
     cfg = from_container(ckpt["config"])
     assert cfg.model.d_model == 32 and cfg.eval.beam == 1 and cfg.data.name == "files"

@@ -45,6 +45,7 @@ def test_wrong_type_fails_with_full_key():
     ("model.dropout=1.0", "model.dropout"),
     ("optim.warmup=0", "optim.warmup"),
     ("model.N=0", "model.N"),
+    ("model.N_dec=0", "model.N_dec"),
     ("trainer.accumulate=0", "trainer.accumulate"),
     ("trainer.devices=two", "trainer.devices"),
     ("trainer.max_minutes=0", "trainer.max_minutes"),

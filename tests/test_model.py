@@ -108,6 +108,29 @@ def test_tie_all_needs_shared_vocabulary():
         make_model(tie="all", shared=False)
 
 
+def test_decoder_depth_apart_from_the_encoder():
+    """model.N_dec: a shallow decoder under a deeper encoder; decoding with the key/value cache equals the
+    full decoder pass, and the checkpoint's arguments rebuild it."""
+    torch.manual_seed(0)
+    model = Transformer.from_config(ModelConfig(N=3, N_dec=1, d_model=32, d_ff=64, h=4, dropout=0.0), 23, 23).eval()
+    assert (len(model.encoder), len(model.decoder), model.args.N_dec) == (3, 1, 1)
+    src, tgt = torch.randint(4, 23, (2, 5)), torch.randint(4, 23, (2, 4))
+    memory, src_mask = model.encode(src)
+    cache = model.new_cache(memory, src_mask)
+    stepwise = torch.cat([model.decode(tgt[:, t:t + 1], cache=cache) for t in range(tgt.size(1))], dim=1)
+    assert torch.allclose(stepwise, model(src, tgt), atol=1e-5)
+    clone = Transformer(ModelArgs.from_dict(model.args.to_dict()))
+    clone.load_state_dict(model.state_dict())
+    assert Transformer.from_config(ModelConfig(N=2), 23, 23).args.N_dec == 2  # null: as many as the encoder
+
+
+def test_model_args_without_n_dec_mean_n_layers_each_side():
+    """Checkpoints written before model.N_dec existed load, resume and average as N layers on both sides."""
+    old = {k: v for k, v in make_model().args.to_dict().items() if k != "N_dec"}
+    assert ModelArgs.from_dict(old) == make_model().args
+    assert ModelArgs.upgrade(old) == make_model().args.to_dict()
+
+
 def test_rebuild_from_model_args():
     model = make_model()
     clone = Transformer(ModelArgs.from_dict(model.args.to_dict()))

@@ -164,7 +164,6 @@ def test_auto_precision_on_a_cpu_is_bf16_only_with_bf16_units(monkeypatch, nativ
     monkeypatch.setattr(speedups, "native_bf16_cpu", lambda: native)
     assert autocast_dtype("auto", torch.device("cpu")) is expected
     assert autocast_dtype("fp32", torch.device("cpu")) is None
-    assert autocast_dtype("bf16", torch.device("cpu")) is torch.bfloat16  # asked for explicitly: as asked
 
 
 def test_bf16_on_cpu_autocasts_the_forward_pass_and_learns_as_fp32_does(tmp_path):
@@ -226,6 +225,12 @@ def test_max_minutes_ends_the_run_normally_one_step_late(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if x["split"] == "valid"] == [5]
     assert [x["eta_s"] for x in lines if x["split"] == "train"] == [0.0]  # the ETA counts the minutes left
+    # The same command again (a resume, to redo an interrupted end of run): no step more, the same end.
+    again = make_trainer(tmp_path, "trainer.max_minutes=1", "trainer.max_epochs=null", "trainer.max_steps=null",
+                         "trainer.val_every=1000", "checkpoint.every_steps=1000")
+    again.load_state_dict(ckpt)
+    assert again.train() == 0
+    assert again.step == 5 and load_checkpoint(tmp_path / "checkpoints" / "last.pt")["trainer"]["step"] == 5
 
 
 def test_anneal_by_time_starts_one_step_late_and_ends_the_run_when_the_rate_reaches_zero(tmp_path):

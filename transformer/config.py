@@ -28,6 +28,7 @@ class ConfigError(ValueError):
 class ModelConfig:
     """Section 3 of the paper; `base` and `big` are Table 3's rows."""
     N: int = 6  # layers in each of the encoder and decoder stacks
+    N_dec: Optional[int] = None  # decoder layers when they differ from N (a deep encoder and a shallow decoder)
     d_model: int = 512
     d_ff: int = 2048
     h: int = 8  # attention heads; d_k = d_v = d_model / h
@@ -156,6 +157,7 @@ def _check(ok: bool, key: str, value: Any, why: str) -> None:
 def check_model(m, key: str = "model") -> None:
     for name in ("N", "d_model", "d_ff", "h", "max_positions"):
         _check(m[name] > 0, f"{key}.{name}", m[name], "must be positive")
+    _check(m.N_dec is None or m.N_dec > 0, f"{key}.N_dec", m.N_dec, "must be positive or null (= N)")
     _check(m.d_model % m.h == 0, f"{key}.d_model", m.d_model, f"must be divisible by {key}.h={m.h}")
     _check(0 <= m.dropout < 1, f"{key}.dropout", m.dropout, "must be in [0, 1)")
     _check(m.tie_embeddings in TIE_EMBEDDINGS, f"{key}.tie_embeddings", m.tie_embeddings,

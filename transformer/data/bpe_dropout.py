@@ -58,7 +58,7 @@ class BpeDropout:
 
     def __init__(self, tokenizer, train: PairDataset, p: float, samples: int, seed: int, max_len: int):
         start = time.perf_counter()
-        self.p, self.samples, self.seed, self.max_len = p, samples, seed, max_len
+        self.samples, self.seed, self.max_len = samples, seed, max_len
         tok = tokenizer.tok
         ranks = merge_ranks(tok)
         vocab = tok.get_vocab()

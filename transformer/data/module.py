@@ -55,7 +55,10 @@ class DataModule:
             data = self.train_of_epoch(epoch)
             if len(self._epochs) == 2:
                 del self._epochs[next(iter(self._epochs))]  # the oldest
-            self._epochs[epoch] = data, TokenBatchSampler(data.src_sizes, data.tgt_sizes, **self._sampler_args)
+            # An epoch before data.bpe_dropout_from_epoch is the stored split, whose batches are planned already.
+            sampler = self.train_sampler if data is self.train else TokenBatchSampler(
+                data.src_sizes, data.tgt_sizes, **self._sampler_args)
+            self._epochs[epoch] = data, sampler
         return self._epochs[epoch]
 
     def num_train_batches(self, epoch: int) -> int:

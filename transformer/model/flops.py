@@ -1,7 +1,7 @@
 """Model FLOPs of the encoder-decoder (paper Section 3) from a batch's real padded shapes.
 
 Counted: the matrix products, 2 FLOPs per multiply-add, for a batch of B sentences padded to S source
-and T target positions (d = d_model, f = d_ff, V = target vocabulary, N layers per stack):
+and T target positions (d = d_model, f = d_ff, V = target vocabulary, N encoder and N_dec decoder layers):
 
     encoder layer   8·B·S·d²  (Q, K, V, output projections)  + 4·B·S²·d (Q·Kᵀ and weights·V) + 4·B·S·d·f (FFN)
     decoder layer   8·B·T·d² + 4·B·T²·d   (masked self-attention, counted as full: causal kernels may skip
@@ -10,7 +10,7 @@ and T target positions (d = d_model, f = d_ff, V = target vocabulary, N layers p
                   + 4·B·T·d·f
     generator       2·B·T·d·V
 
-forward = N·(encoder layer + decoder layer) + generator; a training step costs 3 × forward (the backward
+forward = N·encoder layer + N_dec·decoder layer + generator; a training step costs 3 × forward (the backward
 pass computes the gradients of both operands of every product: twice the forward). Embedding lookups,
 softmax, layer norms and the loss are not matrix products and are left out, as in MFU reports
 (PaLM, Appendix B). Padded positions are counted: they are computed, just not useful, which is why
@@ -23,12 +23,12 @@ from transformer.model.transformer import ModelArgs
 
 def forward_flops(args: ModelArgs, B: int, S: int, T: int) -> int:
     """FLOPs of one forward pass of `Transformer` with `args` (its `model.args`) on a (B, S) x (B, T) batch."""
-    N, d, f, V = args.N, args.d_model, args.d_ff, args.tgt_vocab_size
+    d, f, V = args.d_model, args.d_ff, args.tgt_vocab_size
     encoder = 8 * B * S * d * d + 4 * B * S * S * d + 4 * B * S * d * f
     decoder = (8 * B * T * d * d + 4 * B * T * T * d
                + 4 * B * T * d * d + 4 * B * S * d * d + 4 * B * T * S * d
                + 4 * B * T * d * f)
-    return N * (encoder + decoder) + 2 * B * T * d * V
+    return args.N * encoder + args.N_dec * decoder + 2 * B * T * d * V
 
 
 def training_flops(args: ModelArgs, B: int, S: int, T: int) -> int:

@@ -17,7 +17,8 @@ class ModelArgs:
     """Everything needed to rebuild the model (no defaults here: they live in the config schema,
     `transformer.config.ModelConfig`). A checkpoint stores it as a plain dict (`to_dict`) under "model_args",
     so it loads with `torch.load(weights_only=True)`."""
-    N: int  # layers in each of the encoder and decoder stacks
+    N: int  # encoder layers
+    N_dec: int  # decoder layers (model.N_dec, or N)
     d_model: int
     d_ff: int
     h: int  # attention heads; d_k = d_v = d_model / h
@@ -34,12 +35,15 @@ class ModelArgs:
         """From the `model` config section (any object with the ModelConfig attributes) and the data's vocabularies."""
         arch = {f.name: getattr(model_cfg, f.name) for f in fields(cls)
                 if f.name not in ("src_vocab_size", "tgt_vocab_size", "shared_vocab")}
+        if arch["N_dec"] is None:
+            arch["N_dec"] = arch["N"]
         return cls(**arch, src_vocab_size=int(src_vocab_size), tgt_vocab_size=int(tgt_vocab_size),
                    shared_vocab=bool(shared_vocab))
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelArgs":
         """From a checkpoint's "model_args" (written by any version of this project)."""
+        d = cls.upgrade(d)
         names = {f.name for f in fields(cls)}
         if set(d) != names:
             raise ValueError(f"model arguments {sorted(set(d) ^ names)} are unknown or missing")
@@ -47,6 +51,12 @@ class ModelArgs:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @staticmethod
+    def upgrade(d: dict) -> dict:
+        """A checkpoint's "model_args" as this version writes them: those written before N_dec existed
+        (2026-11-27) had N layers on both sides."""
+        return {**d, "N_dec": d["N"]} if "N_dec" not in d and "N" in d else d
 
 
 def sinusoidal_positions(n: int, d_model: int) -> torch.Tensor:
@@ -79,7 +89,8 @@ class Embedding(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Encoder-decoder with N layers each side; `encode` and `decode` can be called separately."""
+    """Encoder-decoder with N encoder and N_dec decoder layers (N each side in the paper); `encode` and `decode`
+    can be called separately."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -91,7 +102,7 @@ class Transformer(nn.Module):
         self.tgt_embed = Embedding(a.tgt_vocab_size, a.d_model, a.max_positions, a.dropout)
         layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first)
         self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(a.N))
-        self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a.N))
+        self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a.N_dec))
         # Pre-norm stacks end un-normalised; a final LayerNorm closes each (post-norm already ends in one).
         self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
         self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()

@@ -204,7 +204,8 @@ def summarise(trainer, cfg, m: dict) -> dict:
     return {
         "device": name, "workers": env.world_size, "torch": torch.__version__, "commit": _commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": torch.get_num_threads(),
-        "model": {k: getattr(a, k) for k in ("N", "d_model", "d_ff", "h", "src_vocab_size", "tgt_vocab_size")},
+        "model": {k: getattr(a, k) for k in ("N", "N_dec", "d_model", "d_ff", "h", "src_vocab_size",
+                                             "tgt_vocab_size")},
         "params_m": round(sum(p.numel() for p in trainer.model.parameters()) / 1e6, 2),
         "data": "synthetic" if b.synthetic else cfg.data.name, "max_tokens": cfg.data.max_tokens,
         "accumulate": trainer.tcfg.accumulate, "compute": compute, "compile": trainer.tcfg.compile,
@@ -236,8 +237,9 @@ def table(r: dict) -> str:
         return "n/a (one worker)" if v is None else f"{v:9.2f} ms  {100 * v / r['step_ms']:5.1f}%"
 
     mdl = r["model"]
+    depth = f"N={mdl['N']}" + (f" N_dec={mdl['N_dec']}" if mdl.get("N_dec", mdl["N"]) != mdl["N"] else "")
     head = (f"transformer-bench | {r['device']} x{r['workers']} | torch {r['torch']} | commit {r['commit']}\n"
-            f"model N={mdl['N']} d_model={mdl['d_model']} d_ff={mdl['d_ff']} h={mdl['h']} "
+            f"model {depth} d_model={mdl['d_model']} d_ff={mdl['d_ff']} h={mdl['h']} "
             f"vocab {mdl['src_vocab_size']}/{mdl['tgt_vocab_size']} ({r['params_m']}M params) | {r['compute']} | "
             f"compile {r['compile']} | data {r['data']} max_tokens={r['max_tokens']} accumulate={r['accumulate']}")
     mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:g} TFLOP/s" if r["mfu"] is not None

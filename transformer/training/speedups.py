@@ -71,13 +71,22 @@ def native_bf16_cpu() -> bool:
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 in hardware: what trainer.precision=auto asks before it autocasts."""
+    if device.type == "cpu":
+        return native_bf16_cpu()
+    return device.type == "cuda" and native_bf16_tf32(device)
+
+
 def emulated_bf16(device: torch.device) -> Optional[str]:
-    """Why bf16 autocast is slow on `device` (a warning for an explicit trainer.precision=bf16, which
-    experiment=multi30k sets), or None where bf16 products run in hardware."""
-    if device.type == "cpu" and not native_bf16_cpu():
+    """Why bf16 autocast is slow on `device` (a warning for an explicit trainer.precision=bf16), or None where
+    bf16 products run in hardware."""
+    if native_bf16(device):
+        return None
+    if device.type == "cpu":
         return ("trainer.precision=bf16 on a CPU without AMX or AVX512-BF16: bf16 products are emulated here "
                 "and slower than fp32; trainer.precision=fp32 trains faster on this machine")
-    if device.type == "cuda" and not native_bf16_tf32(device):
+    if device.type == "cuda":
         return ("trainer.precision=bf16 on a GPU before Ampere (compute capability < 8): bf16 is emulated "
                 "there; trainer.precision=fp16 (or auto, fp32 there) trains faster on this GPU")
     return None

@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformer import exit_codes
 from transformer.config import to_container
 from transformer.dist import DistEnv, rank_zero
+from transformer.model.transformer import ModelArgs
 from transformer.specials import PAD
 from transformer.tasks import Task
 from transformer.training import speedups
@@ -35,21 +36,17 @@ from transformer.training.run_end import RunEnd
 log = logging.getLogger(__name__)
 
 
-
 def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype of the forward pass, or None for fp32. auto means bf16 where the device multiplies
     bf16 in hardware and fp32 elsewhere: on a CPU, oneDNN runs bf16 products on AMX or AVX512-BF16 units
     (model=small 1.16x faster than fp32 on an AMX Xeon) but emulates them elsewhere (36x slower than fp32
     on an AVX2 EPYC; README "Precision on CPUs"). fp16 has no fast CPU kernels and stays fp32 there."""
-    if precision == "fp32":
-        return None
-    if device.type == "cpu":
-        native = precision == "auto" and speedups.native_bf16_cpu()
-        return torch.bfloat16 if precision == "bf16" or native else None
-    if device.type != "cuda":
+    if precision == "fp32" or device.type not in ("cpu", "cuda"):
         return None
     if precision == "auto":
-        return torch.bfloat16 if speedups.native_bf16_tf32(device) else None
+        return torch.bfloat16 if speedups.native_bf16(device) else None
+    if device.type == "cpu":
+        return torch.bfloat16 if precision == "bf16" else None
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
@@ -139,9 +136,9 @@ class Trainer(RunEnd):
             torch.cuda.set_rng_state(rng["cuda"], self.env.device)
 
     def load_weights(self, ckpt: dict, path: str) -> None:
-        mine = self.model.args.to_dict()
-        if ckpt["model_args"] != mine:
-            diff = {k: (ckpt["model_args"].get(k), v) for k, v in mine.items() if ckpt["model_args"].get(k) != v}
+        mine, theirs = self.model.args.to_dict(), ModelArgs.upgrade(ckpt["model_args"])
+        if theirs != mine:
+            diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
             raise CheckpointError(f"{path} holds another model (checkpoint vs config: {diff})")
         self.model.load_state_dict(ckpt["model"])
 
@@ -231,6 +228,10 @@ class Trainer(RunEnd):
     def _run_steps(self, progress: Progress, window: TrainWindow) -> int:
         K = self.tcfg.accumulate
         stop_flag = LaggedFlag()
+        # Resumed at or past its time limit (to finish an interrupted end of run, say), a run trains no step:
+        # the flag would end it two steps later. The restored clock is the same on every rank, so all agree.
+        if self.tcfg.max_minutes is not None and self.clock.before >= 60 * self.tcfg.max_minutes:
+            self.out_of_time = True
         while not self._done():
             self._set_dropout()
             n = self.data.num_train_batches(self.epoch)
