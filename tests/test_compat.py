@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from transformer.config import EvalConfig, from_container
 from transformer.decoding import translate_sentences
@@ -35,6 +36,7 @@ def test_old_checkpoint_config_and_args_read_with_the_new_schema():
     ckpt = load_checkpoint(CKPT)
     args = ModelArgs.from_dict(ckpt["model_args"])
     assert (args.N, args.d_model, args.src_vocab_size) == (1, 32, ckpt["model_args"]["src_vocab_size"])
-    assert "N_dec" not in ckpt["model_args"] and args.N_dec == 1  # written before model.N_dec: N each side
+    raw = torch.load(CKPT, weights_only=True)["model_args"]
+    assert "N_dec" not in raw and args.N_dec == ckpt["model_args"]["N_dec"] == 1  # before model.N_dec: N each side
     cfg = from_container(ckpt["config"])
     assert cfg.model.d_model == 32 and cfg.eval.beam == 1 and cfg.data.name == "files"

@@ -54,8 +54,8 @@ class ModelArgs:
 
     @staticmethod
     def upgrade(d: dict) -> dict:
-        """A checkpoint's "model_args" as this version writes them: those written before N_dec existed
-        (2026-11-27) had N layers on both sides."""
+        """A checkpoint's "model_args" as this version writes them (`load_checkpoint` applies it): those written
+        before N_dec existed (2026-11-27) had N layers on both sides."""
         return {**d, "N_dec": d["N"]} if "N_dec" not in d and "N" in d else d
 
 

@@ -11,7 +11,6 @@ from typing import List, Sequence
 
 import torch
 
-from transformer.model.transformer import ModelArgs
 from transformer.training.checkpoint import FORMAT, STEP_FILE, load_checkpoint, model_weights
 
 
@@ -49,7 +48,7 @@ def average_checkpoints(paths: Sequence[Path]) -> dict:
                      for k, v in state.items()}
             dtypes = {k: v.dtype for k, v in state.items()}
             continue
-        if ModelArgs.upgrade(ckpt["model_args"]) != ModelArgs.upgrade(first["model_args"]):
+        if ckpt["model_args"] != first["model_args"]:
             raise AverageError(f"{path} has a different architecture than {paths[0]} "
                                f"({_describe_difference(first['model_args'], ckpt['model_args'])})")
         if ckpt.get("tokenizer") != first.get("tokenizer"):

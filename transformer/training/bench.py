@@ -237,7 +237,7 @@ def table(r: dict) -> str:
         return "n/a (one worker)" if v is None else f"{v:9.2f} ms  {100 * v / r['step_ms']:5.1f}%"
 
     mdl = r["model"]
-    depth = f"N={mdl['N']}" + (f" N_dec={mdl['N_dec']}" if mdl.get("N_dec", mdl["N"]) != mdl["N"] else "")
+    depth = f"N={mdl['N']}" + (f" N_dec={mdl['N_dec']}" if mdl["N_dec"] != mdl["N"] else "")
     head = (f"transformer-bench | {r['device']} x{r['workers']} | torch {r['torch']} | commit {r['commit']}\n"
             f"model {depth} d_model={mdl['d_model']} d_ff={mdl['d_ff']} h={mdl['h']} "
             f"vocab {mdl['src_vocab_size']}/{mdl['tgt_vocab_size']} ({r['params_m']}M params) | {r['compute']} | "

@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from transformer.atomic import atomic_open, fsync_dir
+from transformer.model.transformer import ModelArgs
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ def load_checkpoint(path, map_location="cpu") -> dict:
         raise CheckpointError(f"{path}: not a checkpoint, or a truncated or corrupt one ({first})") from None
     if not isinstance(ckpt, dict) or ckpt.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a {FORMAT} file")
+    if isinstance(ckpt.get("model_args"), dict):  # resume, init_from and averaging compare them as written now
+        ckpt["model_args"] = ModelArgs.upgrade(ckpt["model_args"])
     return ckpt
 
 

@@ -16,7 +16,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from transformer import exit_codes
 from transformer.config import to_container
 from transformer.dist import DistEnv, rank_zero
-from transformer.model.transformer import ModelArgs
 from transformer.specials import PAD
 from transformer.tasks import Task
 from transformer.training import speedups
@@ -136,9 +135,9 @@ class Trainer(RunEnd):
             torch.cuda.set_rng_state(rng["cuda"], self.env.device)
 
     def load_weights(self, ckpt: dict, path: str) -> None:
-        mine, theirs = self.model.args.to_dict(), ModelArgs.upgrade(ckpt["model_args"])
-        if theirs != mine:
-            diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
+        mine = self.model.args.to_dict()
+        if ckpt["model_args"] != mine:
+            diff = {k: (ckpt["model_args"].get(k), v) for k, v in mine.items() if ckpt["model_args"].get(k) != v}
             raise CheckpointError(f"{path} holds another model (checkpoint vs config: {diff})")
         self.model.load_state_dict(ckpt["model"])
 
