@@ -5,14 +5,15 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
-from tests.helpers.data import MULTI30K, TRAIN_DE, TRAIN_EN, data_cfg, needs_multi30k, small_files_cfg
+from tests.helpers.data import MULTI30K, TRAIN_DE, TRAIN_EN, VAL_DE, data_cfg, needs_multi30k, small_files_cfg
 from transformer.data.batch import PairDataset, Ragged
 from transformer.data.bpe_dropout import BpeDropout, merge_ranks, segment
 from transformer.data.tokenizer import BpeTokenizer
 from transformer.data.translation import build_translation_data
 from transformer.dist import DistEnv
-from transformer.specials import UNK
+from transformer.specials import PAD, UNK
 
 
 @pytest.fixture(scope="module")
@@ -106,3 +107,34 @@ def test_multi30k_plain_segmentation_reproduces_the_cache(tmp_path):
     epoch = BpeDropout(data.tokenizer, data.train, 0.1, 8, seed=1, max_len=256).epoch(0)
     texts = data.tokenizer.tok.decode_batch([data.train.tgt[i].tolist() for i in range(len(data.train))])
     assert data.tokenizer.tok.decode_batch([epoch.tgt[i].tolist() for i in range(len(epoch))]) == texts
+
+
+def test_a_seen_target_vocabulary_trains_and_translates(tmp_path):
+    """tokenizer.tgt_vocab=seen end to end: the data's target side stays below its size, the tied model scores
+    that many types, a few steps lower the loss, and beam search decodes from the smaller output layer."""
+    from transformer.config import EvalConfig, ModelConfig
+    from transformer.decoding.translate import translate_sentences
+    from transformer.model import Transformer
+    from transformer.training.loss import label_smoothed_cross_entropy
+    cfg = small_files_cfg(tmp_path, tokenizer="bpe", max_tokens=200, tok={"min_freq": 1, "vocab_size": 120,
+                                                                          "tgt_vocab": "seen"})
+    data = build_translation_data(cfg, DistEnv())
+    assert data.tgt_vocab_size < data.src_vocab_size == 120
+    torch.manual_seed(0)
+    model = Transformer.from_config(ModelConfig(N=1, d_model=32, d_ff=64, h=4, dropout=0.0, tie_embeddings="all"),
+                                    data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(15):
+        for b in data.train_loader(0):
+            assert int(b.tgt_out.max()) < data.tgt_vocab_size
+            logits = model(b.src, b.tgt_in)  # (B, T, tgt_vocab_size)
+            loss = label_smoothed_cross_entropy(logits, b.tgt_out, 0.1, PAD)[0] / b.n_tokens
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    assert losses[-1] < 0.7 * losses[0]
+    out = translate_sentences(model, data.tokenizer, VAL_DE, EvalConfig(beam=3))
+    assert len(out) == len(VAL_DE) and all(isinstance(n[0].text, str) for n in out)
+    assert all(i < data.tgt_vocab_size for n in out for i in n[0].tokens)

@@ -58,6 +58,14 @@ def test_semantic_checks_name_the_key(override, key):
         validate(compose_cfg(override))
 
 
+def test_seen_target_vocabulary_is_full_or_seen_and_refuses_bpe_dropout():
+    with pytest.raises(ConfigError, match=r"tokenizer\.tgt_vocab='seen': must be full with data\.bpe_dropout > 0"):
+        validate(compose_cfg("experiment=multi30k", "tokenizer.tgt_vocab=seen", "data.bpe_dropout=0.1"))
+    with pytest.raises(ConfigError, match=r"tokenizer\.tgt_vocab='sen': must be full or seen"):
+        validate(compose_cfg("experiment=multi30k", "tokenizer.tgt_vocab=sen"))
+    validate(compose_cfg("experiment=multi30k", "tokenizer.tgt_vocab=seen"))
+
+
 def test_a_run_needs_a_limit_and_max_minutes_is_one():
     with pytest.raises(ConfigError, match="trainer.max_steps=None: set trainer.max_steps, trainer.max_epochs or"):
         validate(compose_cfg("trainer.max_epochs=null", "trainer.max_steps=null"))

@@ -54,10 +54,12 @@ def assert_same_as_reference(folder, cfg):
     assert pre.valid_text() == ref["text"]
 
 
-@pytest.mark.parametrize("tokenizer", ["spacy", "bpe"])
+@pytest.mark.parametrize("tokenizer", ["spacy", "bpe", "bpe-seen"])
 @pytest.mark.parametrize("chunk", [1, 3, 10000])
 def test_streaming_equals_in_memory_pipeline(tmp_path, tokenizer, chunk):
-    cfg = edge_cfg(tmp_path, tokenizer)
+    cfg = edge_cfg(tmp_path, tokenizer.split("-")[0])
+    if tokenizer == "bpe-seen":  # the target side: the training targets' types, numbered first
+        cfg.tokenizer.tgt_vocab = "seen"
     folder = preprocess_corpus(cfg, tmp_path / "bin", Options(chunk_size=chunk, progress=False))
     skipped = Preprocessed(folder).manifest["splits"]["train"]["skipped"]
     assert skipped["empty"] == 1 and skipped["too_long"] >= 1
@@ -71,9 +73,14 @@ def _files(folder):
 def test_any_number_of_workers_writes_the_same_bytes(tmp_path):
     """BPE here (its workers start fast); spaCy and 3 workers on Multi30k in the slow tier."""
     cfg = edge_cfg(tmp_path, "bpe")
+    cfg.tokenizer.tgt_vocab = "seen"  # the workers map the target's other types to <unk>
     one = preprocess_corpus(cfg, tmp_path / "one", Options(workers=1, chunk_size=2, progress=False))
     two = preprocess_corpus(cfg, tmp_path / "two", Options(workers=2, chunk_size=2, progress=False))
     assert _files(one) == _files(two)
+    manifest = Preprocessed(one).manifest
+    assert manifest["vocab"]["tgt"] == manifest["tokenizer"]["n_tgt"] < manifest["vocab"]["src"]
+    for split in ("train", "valid"):
+        assert Ragged.open(*Preprocessed(one).arrays(split, "tgt")).data.max() < manifest["vocab"]["tgt"]
 
 
 def test_bpe_learns_from_a_seeded_sample(tmp_path):

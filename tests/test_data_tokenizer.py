@@ -145,6 +145,29 @@ def test_bpe_state_rebuilds_identical_tokenizer(bpe_tok, tmp_path):
     assert saved.encode("Ein Hund.").ids == bpe_tok.encode_src("Ein Hund.")
 
 
+def test_bpe_seen_targets_first(bpe_tok, tmp_path):
+    """tokenizer.tgt_vocab=seen renumbers the shared vocabulary, segmentation unchanged: the types of the
+    training targets first (after the specials), so the target side is the ids below n_tgt; a type only a
+    held-out target uses is <unk> there, and the source side keeps it."""
+    seen = bpe_tok.seen_targets_first([TRAIN_EN[:3], TRAIN_EN[3:]])
+    target_types = {t for text in TRAIN_EN for t in bpe_tok.tok.encode(text, add_special_tokens=False).tokens}
+    assert seen.tgt_vocab_size == len(SPECIALS) + len(target_types) < seen.src_vocab_size == bpe_tok.src_vocab_size
+    assert {seen.tok.id_to_token(i) for i in range(len(SPECIALS), seen.tgt_vocab_size)} == target_types
+    assert [seen.tok.id_to_token(i) for i in range(len(SPECIALS))] == SPECIALS
+    for text in TRAIN_DE + TRAIN_EN:
+        assert seen.tok.encode(text).tokens == bpe_tok.tok.encode(text).tokens
+        assert seen.decode_src(seen.encode_src(text)) == bpe_tok.decode_src(bpe_tok.encode_src(text))
+    for text in TRAIN_EN:
+        assert max(seen.encode_tgt(text)) < seen.tgt_vocab_size
+        assert seen.decode_tgt(seen.encode_tgt(text)) == bpe_tok.decode_tgt(bpe_tok.encode_tgt(text))
+    german = next(t for t in bpe_tok.tok.encode(TRAIN_DE[0]).tokens if t not in target_types)
+    assert seen.encode_tgt_batch([german.replace("▁", " ").strip()])[0][0] == UNK
+    assert seen.encode_src(german.replace("▁", " ").strip())[0] >= seen.tgt_vocab_size
+    again = tokenizer_from_state(json.loads(json.dumps(seen.state_dict())))
+    assert again.tgt_vocab_size == seen.tgt_vocab_size and again.encode_tgt(TRAIN_EN[0]) == seen.encode_tgt(TRAIN_EN[0])
+    assert bpe_tok.state_dict()["n_tgt"] is None and bpe_tok.tgt_vocab_size == bpe_tok.src_vocab_size
+
+
 def test_train_tokenizer_dispatch_and_errors():
     cfg = OmegaConf.structured(TokenizerConfig(name="bpe", vocab_size=100, min_freq=1))
     assert isinstance(train_tokenizer(cfg, "de", "en", TRAIN_DE, TRAIN_EN), BpeTokenizer)
@@ -153,6 +176,14 @@ def test_train_tokenizer_dispatch_and_errors():
         train_tokenizer(cfg, "de", "en", TRAIN_DE, TRAIN_EN)
     cfg.name, cfg.vocab_size = "bpe", 4
     with pytest.raises(ValueError, match="tokenizer.vocab_size=4"):
+        train_tokenizer(cfg, "de", "en", TRAIN_DE, TRAIN_EN)
+    cfg.vocab_size, cfg.tgt_vocab = 100, "seen"
+    assert train_tokenizer(cfg, "de", "en", TRAIN_DE, TRAIN_EN).tgt_vocab_size < 100
+    cfg.tgt_vocab = "english"
+    with pytest.raises(ValueError, match="tokenizer.tgt_vocab='english': must be full or seen"):
+        train_tokenizer(cfg, "de", "en", TRAIN_DE, TRAIN_EN)
+    cfg.name, cfg.tgt_vocab = "spacy", "seen"
+    with pytest.raises(ValueError, match="tokenizer.tgt_vocab=seen: needs tokenizer=bpe"):
         train_tokenizer(cfg, "de", "en", TRAIN_DE, TRAIN_EN)
 
 

@@ -108,6 +108,27 @@ def test_tie_all_needs_shared_vocabulary():
         make_model(tie="all", shared=False)
 
 
+def test_target_vocabulary_is_the_first_rows_of_the_shared_matrix():
+    """tokenizer.tgt_vocab=seen: 23 shared types, the first 15 the target's. The generator scores those 15 with
+    the shared matrix's first rows (the same logits as the full model's first 15), the checkpoint's keys and
+    shapes are the full model's, and every row still trains through the source embedding."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.0, tie_embeddings="all")
+    small = Transformer.from_config(cfg, 23, 15, True).eval()
+    full = Transformer.from_config(cfg, 23, 23, True).eval()
+    full.load_state_dict(small.state_dict())
+    assert small.generator.weight is small.src_embed.tokens.weight and small.generator.weight.shape == (23, 32)
+    src, tgt = torch.randint(4, 23, (2, 6)), torch.randint(4, 15, (2, 5))
+    logits = small(src, tgt)
+    assert logits.shape == (2, 5, 15)
+    assert torch.allclose(logits, full(src, tgt)[..., :15], atol=1e-6)
+    logits.logsumexp(-1).sum().backward()
+    grad = small.src_embed.tokens.weight.grad
+    assert grad[4:15].abs().sum() > 0 and grad[15:].abs().sum() > 0  # the last rows: from the source side
+    with pytest.raises(ValueError, match="tie_embeddings=all needs one shared"):
+        Transformer.from_config(cfg, 15, 23, True)
+
+
 def test_decoder_depth_apart_from_the_encoder():
     """model.N_dec: a shallow decoder under a deeper encoder; decoding with the key/value cache equals the
     full decoder pass, and the checkpoint's arguments rebuild it."""

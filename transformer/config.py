@@ -245,6 +245,11 @@ def validate(cfg: DictConfig) -> None:
     check_data(cfg.data)
     _check(cfg.data.bpe_dropout == 0 or cfg.tokenizer.name == "bpe", "data.bpe_dropout", cfg.data.bpe_dropout,
            f"needs tokenizer=bpe (tokenizer.name is {cfg.tokenizer.name})")
+    _check(cfg.tokenizer.tgt_vocab in ("full", "seen"), "tokenizer.tgt_vocab", cfg.tokenizer.tgt_vocab,
+           "must be full or seen")
+    _check(cfg.data.bpe_dropout == 0 or cfg.tokenizer.tgt_vocab == "full", "tokenizer.tgt_vocab",
+           cfg.tokenizer.tgt_vocab, "must be full with data.bpe_dropout > 0 (its pieces include types no plain "
+           "target uses)")
     check_checkpoint(cfg.checkpoint)
     check_eval(cfg.eval)
 

@@ -73,6 +73,10 @@ class TokenizerConfig:
     # bpe: learn the merges from at most this many training sentences (source and target lines count alike),
     # drawn at random with `seed`; null = all. Encoding always covers the whole corpus.
     train_sample: Optional[int] = 1_000_000
+    # bpe: full = the target side may use every type of the shared vocabulary; seen = only the types the
+    # training targets use, numbered first (the output layer computes those logits only; a type seen only
+    # in a held-out reference encodes as <unk> there). transformer/data/tokenizer.py seen_targets_first.
+    tgt_vocab: str = "full"
 
 
 @dataclass

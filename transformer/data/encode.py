@@ -7,9 +7,11 @@ maps strings to vocabulary ids, and the whitespace flags teach the detokeniser).
 """
 import os
 from itertools import chain
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
+
+from transformer.specials import UNK
 
 _LOADED: Dict[tuple, object] = {}  # per process: spaCy tokenizers and BPE models already loaded
 
@@ -46,8 +48,9 @@ def spacy_chunk(lang: str, lowercase: bool, texts: Sequence[str]) -> Tuple[List[
     return list(index), local, lengths, nospace
 
 
-def bpe_chunk(state_file: str, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
-    """(ids of all sentences concatenated, tokens per sentence) under the BPE model saved in `state_file`."""
+def bpe_chunk(state_file: str, n_ids: Optional[int], texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
+    """(ids of all sentences concatenated, tokens per sentence) under the BPE model saved in `state_file`;
+    ids from `n_ids` up become <unk> (a target side limited to the types its training side uses)."""
     key = ("bpe", state_file)
     if key not in _LOADED:
         from tokenizers import Tokenizer
@@ -55,6 +58,8 @@ def bpe_chunk(state_file: str, texts: Sequence[str]) -> Tuple[np.ndarray, np.nda
     ids = [e.ids for e in _LOADED[key].encode_batch(list(texts), add_special_tokens=False)]
     lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
     flat = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
+    if n_ids is not None:
+        flat[flat >= n_ids] = UNK
     return flat, lengths
 
 
@@ -64,7 +69,7 @@ def worker_init() -> None:
 
 
 def encode_pair_chunk(src_spec: tuple, tgt_spec: tuple, src: Sequence[str], tgt: Sequence[str]):
-    """Both sides of a chunk of pairs; a spec is ("spacy", lang, lowercase) or ("bpe", state_file)."""
+    """Both sides of a chunk of pairs; a spec is ("spacy", lang, lowercase) or ("bpe", state_file, n_ids)."""
     return tuple(_KERNELS[spec[0]](*spec[1:], texts) for spec, texts in ((src_spec, src), (tgt_spec, tgt)))
 
 

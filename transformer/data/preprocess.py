@@ -175,8 +175,18 @@ class _Run:
                         base += len(lines)
                         bar.update(len(lines))
 
-        return BpeTokenizer.train(sentences(), self.t.vocab_size, max(self.t.min_freq, 0), self.t.lowercase,
-                                  self.d.src_lang, self.d.tgt_lang, length=total if sample is None else k)
+        tok = BpeTokenizer.train(sentences(), self.t.vocab_size, max(self.t.min_freq, 0), self.t.lowercase,
+                                 self.d.src_lang, self.d.tgt_lang, length=total if sample is None else k)
+        if self.t.tgt_vocab != "seen":
+            return tok
+
+        def targets():  # every training target, not the sample: a type the sample missed is still seen
+            with self.bar(n, "target types") as bar:
+                for lines in iter_lines(self.sources["train"][1], self.opts.chunk_size):
+                    yield lines
+                    bar.update(len(lines))
+
+        return tok.seen_targets_first(targets())
 
     def specs(self, tokenizer) -> Tuple[tuple, tuple]:
         if tokenizer is None or tokenizer.name == "spacy":
@@ -186,7 +196,7 @@ class _Run:
         if not path.exists():
             self.staging.scratch.mkdir(exist_ok=True)
             tokenizer.tok.save(str(path))
-        return ("bpe", str(path)), ("bpe", str(path))
+        return ("bpe", str(path), None), ("bpe", str(path), tokenizer.n_tgt)
 
     # ---- encoding with a finished tokenizer ------------------------------------------------------------
     def encode(self, name: str, tokenizer, n: int, dtype) -> None:

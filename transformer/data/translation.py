@@ -76,6 +76,8 @@ def _key_parts(cfg, identities: Dict[str, List[str]]) -> dict:
     else:
         tok = {"name": t.name, "vocab_size": t.vocab_size, "min_freq": t.min_freq, "lowercase": t.lowercase,
                "train_sample": t.train_sample, "seed": cfg.seed, "lib": metadata.version("tokenizers")}
+        if t.tgt_vocab != "full":  # the keys of existing caches stay as they were
+            tok["tgt_vocab"] = t.tgt_vocab
     return {"version": CACHE_VERSION, "files": identities, "src_lang": d.src_lang, "tgt_lang": d.tgt_lang,
             "train_split": d.train_split, "valid_split": d.valid_split, "max_len": d.max_len,
             "bad_pairs": d.bad_pairs, "tokenizer": tok}

@@ -4,6 +4,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from transformer.model.cache import DecoderCache
@@ -88,6 +89,19 @@ class Embedding(nn.Module):
         return self.dropout(x + self.pe[offset:offset + T].to(x.dtype))
 
 
+class Generator(nn.Linear):
+    """Section 3.4's pre-softmax linear transformation, to the first `n_out` rows of its matrix: tied to a
+    shared embedding, the matrix also holds source-only types that are never output."""
+
+    def __init__(self, d_model: int, rows: int, n_out: int):
+        super().__init__(d_model, rows, bias=False)
+        self.n_out = n_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight if self.n_out == self.weight.size(0) else self.weight[:self.n_out]  # a view, no copy
+        return F.linear(x, w)  # (B, T, n_out)
+
+
 class Transformer(nn.Module):
     """Encoder-decoder with N encoder and N_dec decoder layers (N each side in the paper); `encode` and `decode`
     can be called separately."""
@@ -95,18 +109,21 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = a = args
-        if a.tie_embeddings == "all" and not (a.shared_vocab and a.src_vocab_size == a.tgt_vocab_size):
+        if a.tie_embeddings == "all" and not (a.shared_vocab and a.tgt_vocab_size <= a.src_vocab_size):
             raise ValueError("model.tie_embeddings=all needs one shared source/target vocabulary "
                              "(use tokenizer=bpe), but this data has separate vocabularies")
+        # Tied to the source, the target's matrix is the shared one; its first tgt_vocab_size rows are the
+        # target's types (tokenizer.tgt_vocab=seen numbers them first), the only ones the generator scores.
+        tgt_rows = a.src_vocab_size if a.tie_embeddings == "all" else a.tgt_vocab_size
         self.src_embed = Embedding(a.src_vocab_size, a.d_model, a.max_positions, a.dropout)
-        self.tgt_embed = Embedding(a.tgt_vocab_size, a.d_model, a.max_positions, a.dropout)
+        self.tgt_embed = Embedding(tgt_rows, a.d_model, a.max_positions, a.dropout)
         layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first)
         self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(a.N))
         self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a.N_dec))
         # Pre-norm stacks end un-normalised; a final LayerNorm closes each (post-norm already ends in one).
         self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
         self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
-        self.generator = nn.Linear(a.d_model, a.tgt_vocab_size, bias=False)
+        self.generator = Generator(a.d_model, tgt_rows, a.tgt_vocab_size)
         self._init_weights()
         # Section 3.4: "we share the same weight matrix between the two embedding layers and the pre-softmax
         # linear transformation". Tied after init so the shared matrix gets one Xavier draw.
