@@ -9,6 +9,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, List, Optional, Sequence
 
+import numpy as np
+
 from transformer.atomic import write_text_atomic
 from transformer.data.batch import BOS, EOS, PAD, SPECIALS, UNK
 from transformer.data.encode import spacy_tokenize, spacy_tokenizer
@@ -225,7 +227,6 @@ class BpeTokenizer:
         of sentences) use come first, after the specials: the target vocabulary is then ids below `n_tgt`,
         and the output layer computes that many logits instead of one per shared type. A shared German-English
         BPE spends many types on one side only (Multi30k, 8,000: 4,245 occur in the English training side)."""
-        import numpy as np
         from tokenizers import Tokenizer
         V = self.tok.get_vocab_size()
         seen = np.zeros(V, dtype=bool)
