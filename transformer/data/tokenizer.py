@@ -278,8 +278,9 @@ class BpeTokenizer:
     src_tokens = tgt_tokens
 
     def state_dict(self) -> dict:
-        return {"name": self.name, "src_lang": self.src_lang, "tgt_lang": self.tgt_lang, "json": self.tok.to_str(),
-                "n_tgt": self.n_tgt}
+        state = {"name": self.name, "src_lang": self.src_lang, "tgt_lang": self.tgt_lang, "json": self.tok.to_str()}
+        # Only when set: a full vocabulary's state stays what earlier versions wrote (averaging compares states).
+        return state if self.n_tgt is None else {**state, "n_tgt": self.n_tgt}
 
     @classmethod
     def from_state(cls, state: dict) -> "BpeTokenizer":
