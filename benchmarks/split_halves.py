@@ -97,6 +97,8 @@ def main(argv=None) -> int:
     p.add_argument("--splits", type=int, default=10, help="random halves (seeds 0..N-1)")
     args = p.parse_args(argv)
     try:
+        if args.splits < 1:
+            raise ValueError(f"--splits {args.splits}: must be at least 1")
         if len(args.grid) != 2:
             raise ValueError(f"--grid given {len(args.grid)} times: exactly two rules are compared")
         grids = [parse_grid(g) for g in args.grid]

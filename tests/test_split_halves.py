@@ -58,6 +58,8 @@ def test_parity_halves_punish_the_length_that_suits_one_half():
     (lambda run, refs: write_run(run, {"a": refs[:-1]}), ["--grid", "one=a", "--grid", "two=a"], "39 lines"),
     (lambda run, refs: write_run(run, {"a": refs}), ["--grid", "one=a"], "exactly two"),
     (lambda run, refs: write_run(run, {"a": refs}), ["--grid", "one", "--grid", "two=a"], "NAME=LABEL"),
+    (lambda run, refs: write_run(run, {"a": refs}), ["--grid", "one=a", "--grid", "two=a", "--splits", "0"],
+     "--splits 0"),
 ])
 def test_bad_input_is_a_one_line_error(tmp_path, capsys, setup, args, fragment):
     refs = references()
