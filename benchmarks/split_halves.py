@@ -14,7 +14,6 @@ biased on Multi30k: its files mostly alternate short and long sentences, so each
 penalty that fits its own lengths (README "A length-penalty grid to 2.0").
 """
 import argparse
-import gzip
 import json
 import random
 import sys
@@ -23,11 +22,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import sacrebleu
 
-
-def read_lines(path: Path) -> List[str]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return f.read().splitlines()
+from transformer.data.corpus import read_lines
 
 
 def parse_grid(text: str) -> Tuple[str, List[str]]:
