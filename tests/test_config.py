@@ -66,6 +66,13 @@ def test_seen_target_vocabulary_is_full_or_seen_and_refuses_bpe_dropout():
     validate(compose_cfg("experiment=multi30k", "tokenizer.tgt_vocab=seen"))
 
 
+def test_the_recipe_scores_seen_targets_and_bpe_dropout_needs_the_full_vocabulary():
+    """experiment=multi30k sets tokenizer.tgt_vocab=seen; BPE-dropout adds tokenizer.tgt_vocab=full."""
+    with pytest.raises(ConfigError, match=r"tokenizer\.tgt_vocab='seen': must be full with data\.bpe_dropout > 0"):
+        validate(compose_cfg("experiment=multi30k", "data.bpe_dropout=0.1"))
+    validate(compose_cfg("experiment=multi30k", "data.bpe_dropout=0.1", "tokenizer.tgt_vocab=full"))
+
+
 def test_a_run_needs_a_limit_and_max_minutes_is_one():
     with pytest.raises(ConfigError, match="trainer.max_steps=None: set trainer.max_steps, trainer.max_epochs or"):
         validate(compose_cfg("trainer.max_epochs=null", "trainer.max_steps=null"))
