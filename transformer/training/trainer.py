@@ -279,6 +279,12 @@ class Trainer(Validation, RunEnd):
         does neither, and both must still end bit-identical."""
         return torch.random.fork_rng(devices=[self.env.device] if self.env.device.type == "cuda" else [])
 
+    def autocast(self):
+        """The forward pass's autocast context (trainer.precision), the same for training and validation."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.env.device.type, dtype=self.amp_dtype)
+
     def _train_step(self, micro, window: TrainWindow, stop_flag: LaggedFlag):
         """One optimiser step and its bookkeeping, with no host sync. Returns the step's result and the
         stop flag of the step before (read one step late: transformer/training/hotpath.py), the same on all ranks."""

@@ -13,14 +13,8 @@ log = logging.getLogger(__name__)
 
 
 class Validation:
-    """Mixed into Trainer; uses its cfg, tcfg, env, model, data, task, ema, amp_dtype, metric, metrics, clock,
-    quality, step, epoch, best, bad_validations, _last_val and _rng_untouched()."""
-
-    def autocast(self):
-        """The forward pass's autocast context (trainer.precision), the same for training and validation."""
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.env.device.type, dtype=self.amp_dtype)
+    """Mixed into Trainer; uses its cfg, tcfg, env, model, data, task, ema, metric, metrics, clock,
+    quality, step, epoch, best, bad_validations, _last_val, autocast() and _rng_untouched()."""
 
     @torch.no_grad()
     def evaluate_loss(self, loader) -> dict:
