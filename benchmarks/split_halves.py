@@ -11,7 +11,7 @@ the summary is the second minus the first: mean, cases won, lost and tied, and p
 
 Splits are random halves (seeded shuffles) by default. `--split parity` uses even and odd lines, which is
 biased on Multi30k: its files mostly alternate short and long sentences, so each half prefers the length
-penalty that fits its own lengths (README "A length-penalty grid to 2.0").
+penalty that fits its own lengths (docs/multi30k.md "Scoring only the target's types on the recipe").
 """
 import argparse
 import json
