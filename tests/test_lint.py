@@ -2,6 +2,7 @@
 (rules in pyproject.toml) on the package, the tests and the benchmarks. The dev extra installs all three
 next to this interpreter."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -66,3 +67,40 @@ def test_ruff():
     res = subprocess.run([tool("ruff"), "check", "--no-cache", "--output-format", "concise",
                           "transformer", "tests", "benchmarks"], cwd=REPO, capture_output=True, text=True)
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr
+
+
+def heading_anchors(text: str) -> set:
+    """GitHub's anchors for the Markdown headings outside code fences: lower case, punctuation dropped,
+    spaces to hyphens."""
+    anchors, fenced = set(), False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and re.match(r"#{1,6} ", line):
+            anchors.add(re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-"))
+    return anchors
+
+
+def broken_links(doc: Path) -> list:
+    """Relative links of a Markdown file whose file or heading anchor does not exist."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text(encoding="utf-8")):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto
+        path, _, anchor = target.partition("#")
+        linked = (doc.parent / path).resolve() if path else doc
+        if not linked.exists():
+            broken.append(target)
+        elif anchor and linked.suffix == ".md" and anchor not in heading_anchors(linked.read_text(encoding="utf-8")):
+            broken.append(target)
+    return broken
+
+
+def test_readme_and_docs_links_resolve(tmp_path):
+    docs = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    assert len(docs) > 1
+    assert {str(d.relative_to(REPO)): broken_links(d) for d in docs} == {str(d.relative_to(REPO)): [] for d in docs}
+    # The check itself finds a missing heading and a missing file.
+    bad = tmp_path / "bad.md"
+    bad.write_text("# Title\n\n[ok](#title) [no heading](#nowhere) [no file](missing.md)\n```\n# not a heading\n```\n")
+    assert broken_links(bad) == ["#nowhere", "missing.md"]
