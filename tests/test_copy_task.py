@@ -1,5 +1,6 @@
 """The copy task end to end through the CLI, as a user runs it."""
 import json
+import re
 import subprocess
 
 import pytest
@@ -34,6 +35,8 @@ def test_short_copy_run_writes_the_run_directory(tmp_path):
     valid = [r for r in records if r["split"] == "valid"]
     assert all(r["train_minutes"] >= 0 for r in valid)  # the run's clock, for time to quality
     assert "time to quality:" in proc.stderr
+    # the precision trainer.precision=auto resolved to, which differs between CPU kinds, is in the start line
+    assert re.search(r"1 worker\(s\) on cpu, \d+ CPU thread\(s\) each, (fp32|bf16) \| model", proc.stderr), proc.stderr
 
 
 @pytest.mark.slow

@@ -74,8 +74,10 @@ def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[D
     restore(trainer, cfg, env)
     if run_dir is not None:  # accepted: only now is the run directory written to
         accept(run_dir, snapshot or {}, trainer)
-    log.info("%d worker(s) on %s, %d CPU thread(s) each | model %.2fM parameters | run dir %s", env.world_size,
-             env.device, threads, sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
+    # the precision trainer.precision=auto resolved to: which CPU kind a run had decides it, and reports need it
+    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(trainer.amp_dtype, "fp32")
+    log.info("%d worker(s) on %s, %d CPU thread(s) each, %s | model %.2fM parameters | run dir %s", env.world_size,
+             env.device, threads, precision, sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
     code = trainer.train()
     trainer.close()
     return code
