@@ -5,12 +5,12 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from tests.helpers.benchmarks import load_benchmark
 from tests.helpers.cli import cli_env
 from tests.helpers.data import MULTI30K, needs_multi30k
 from transformer.training.bench import peak_tflops
+from transformer.training.speedups import native_bf16_cpu
 
 TINY = ("model=tiny", "model.N=1", "bench.synthetic=true", "bench.sentences=400", "bench.vocab_size=500",
         "bench.max_len=40", "data.max_tokens=600", "bench.warmup=1", "bench.steps=3", "trainer.progress=false")
@@ -30,12 +30,11 @@ def record(res: subprocess.CompletedProcess) -> dict:
 def test_bench_prints_a_sane_table_and_json_line(tmp_path):
     res = bench(tmp_path, *TINY, "bench.peak_tflops=0.5")
     r = record(res)
-    # precision=auto in a subprocess (conftest's fp32 patch is in-process only): bf16 exactly where the CPU has
-    # bf16 units (a Zen 5 EPYC, an AMX Xeon), fp32 elsewhere (an AVX2 EPYC)
-    bf16_units = any(getattr(torch.cpu, probe, lambda: False)()
-                     for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"))
+    # precision=auto in a subprocess, where conftest's fp32 patch does not reach: bf16 exactly where the CPU has
+    # bf16 units (a Zen 5 EPYC, an AMX Xeon), fp32 elsewhere (an AVX2 EPYC). The probe imported at collection,
+    # before that patch
     assert r["device"] == "cpu" and r["steps"] == 3 and r["data"] == "synthetic"
-    assert r["compute"] == ("bf16" if bf16_units else "fp32")
+    assert r["compute"] == ("bf16" if native_bf16_cpu() else "fp32")
     assert r["model"]["N"] == 1 and r["model"]["tgt_vocab_size"] == 500
     assert 0 < r["tgt_tokens_per_s"] and 0 < r["src_tokens_per_s"] and 0 < r["sentences_per_s"]
     # Tokens per sentence: synthetic lengths are ~N(27, 12) clipped to [2, 40], + </s>.

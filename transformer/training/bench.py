@@ -51,15 +51,6 @@ def peak_tflops(device_name: str, compute: str) -> Optional[float]:
     return None
 
 
-def compute_type(trainer) -> str:
-    """The number format the matrix products run in: autocast's, else TF32 where it is on, else fp32."""
-    if trainer.amp_dtype is not None:
-        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[trainer.amp_dtype]
-    if speedups.native_bf16_tf32(trainer.env.device) and torch.get_float32_matmul_precision() != "highest":
-        return "tf32"
-    return "fp32"
-
-
 def check_bench(cfg) -> None:
     b = cfg.bench
     for key, ok, why in (("warmup", b.warmup >= 0, "must be >= 0"), ("steps", b.steps >= 1, "must be >= 1"),
@@ -192,7 +183,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
     flops = step_flops(trainer.model.args, t.shapes) / b.steps  # this worker's, per optimiser step
     achieved = flops * b.steps / m["wall_s"]
     name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
-    compute = compute_type(trainer)
+    compute = speedups.compute_type(trainer.amp_dtype, trainer.env.device)
     peak = b.peak_tflops or (peak_tflops(name, compute) if env.device.type == "cuda" else None)
     step_ms = 1e3 * m["wall_s"] / b.steps
     split = {"data_wait_ms": 1e3 * t.data_s / b.steps,

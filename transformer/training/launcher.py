@@ -25,6 +25,7 @@ from transformer.data import build_data
 from transformer.data.download import DownloadError
 from transformer.model import Transformer
 from transformer.tasks import build_task
+from transformer.training import speedups
 from transformer.training.checkpoint import CheckpointError, changed_settings, load_checkpoint
 from transformer.training.logs import setup_logging, start_file_log, warn
 from transformer.training.trainer import Trainer
@@ -74,10 +75,10 @@ def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[D
     restore(trainer, cfg, env)
     if run_dir is not None:  # accepted: only now is the run directory written to
         accept(run_dir, snapshot or {}, trainer)
-    # the precision trainer.precision=auto resolved to: which CPU kind a run had decides it, and reports need it
-    precision = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(trainer.amp_dtype, "fp32")
+    # what trainer.precision=auto resolved to: the CPU kind (or GPU) decides it, and reports need it
     log.info("%d worker(s) on %s, %d CPU thread(s) each, %s | model %.2fM parameters | run dir %s", env.world_size,
-             env.device, threads, precision, sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
+             env.device, threads, speedups.compute_type(trainer.amp_dtype, env.device),
+             sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
     code = trainer.train()
     trainer.close()
     return code

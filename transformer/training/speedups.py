@@ -78,6 +78,15 @@ def native_bf16(device: torch.device) -> bool:
     return device.type == "cuda" and native_bf16_tf32(device)
 
 
+def compute_type(amp_dtype: Optional[torch.dtype], device: torch.device) -> str:
+    """The number format the matrix products run in: autocast's, else TF32 where it is on, else fp32."""
+    if amp_dtype is not None:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
+    if native_bf16_tf32(device) and torch.get_float32_matmul_precision() != "highest":
+        return "tf32"
+    return "fp32"
+
+
 def emulated_bf16(device: torch.device) -> Optional[str]:
     """Why bf16 autocast is slow on `device` (a warning for an explicit trainer.precision=bf16), or None where
     bf16 products run in hardware."""
