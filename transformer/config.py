@@ -29,45 +29,46 @@ class ModelConfig:
     """Section 3 of the paper; `base` and `big` are Table 3's rows."""
     N: int = 6  # layers in each of the encoder and decoder stacks
     N_dec: Optional[int] = None  # decoder layers when they differ from N (a deep encoder and a shallow decoder)
-    d_model: int = 512
-    d_ff: int = 2048
+    d_model: int = 512  # width of every sublayer's output and of the embeddings
+    d_ff: int = 2048  # inner width of the position-wise feed-forward network (Section 3.3)
     h: int = 8  # attention heads; d_k = d_v = d_model / h
     dropout: float = 0.1  # P_drop
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm (Annotated Transformer)
     tie_embeddings: str = "decoder"  # none | decoder | all (all needs one shared vocabulary)
-    max_positions: int = 1024
+    max_positions: int = 1024  # rows of the sinusoidal position table: the longest sequence the model takes
 
 
 @dataclass
 class OptimConfig:
     """Section 5.3: Adam with the warmup-then-inverse-square-root ("Noam") rate."""
-    name: str = "adam_noam"
-    factor: float = 1.0
+    name: str = "adam_noam"  # the only optimiser: Adam with the Noam rate below
+    factor: float = 1.0  # rate = factor * d_model^-0.5 * min(step^-0.5, step * warmup^-1.5)
     warmup: int = 4000  # optimiser steps, not micro-batches
-    beta1: float = 0.9
-    beta2: float = 0.98
-    eps: float = 1e-9
-    weight_decay: float = 0.0
+    beta1: float = 0.9  # Adam's beta_1 (Section 5.3)
+    beta2: float = 0.98  # Adam's beta_2
+    eps: float = 1e-9  # Adam's epsilon
+    weight_decay: float = 0.0  # L2 penalty added to the gradient (Adam's weight_decay); 0 = none, as in the paper
     anneal: float = 0.0  # the run's last fraction (of max_steps, or of max_minutes): the rate falls linearly to 0
 
 
 @dataclass
 class TrainerConfig:
+    """The training loop: its length, batches per step, devices, precision, resume and speed switches."""
     max_steps: Optional[int] = None  # optimiser steps; None = no limit
-    max_epochs: Optional[int] = 20
+    max_epochs: Optional[int] = 20  # passes over the training split; None = no limit
     max_minutes: Optional[float] = None  # wall minutes of training and validation, over resumes; then a normal end
     accumulate: int = 1  # micro-batches per optimiser step
-    clip_norm: Optional[float] = None
+    clip_norm: Optional[float] = None  # clip the gradient's global L2 norm to this; None = no clipping
     label_smoothing: float = 0.1  # Section 5.4
     val_every: int = 1000  # steps; validation also runs at every epoch end, unless val_epoch_end is false
     val_epoch_end: bool = True  # false: an epoch end is neither validated nor checkpointed
-    log_every: int = 50
+    log_every: int = 50  # steps between logged training lines (metrics.jsonl, TensorBoard, console)
     devices: str = "auto"  # auto | N: workers spawned by this process (ignored under torchrun)
     accelerator: str = "auto"  # auto | cpu | gpu
     precision: str = "auto"  # auto (bf16 where the GPU or CPU has bf16 units, else fp32) | fp32 | bf16 | fp16
     resume: str = "auto"  # auto (last good checkpoint of the run directory) | none | PATH
     init_from: Optional[str] = None  # checkpoint whose weights only start a new run
-    deterministic: bool = False
+    deterministic: bool = False  # torch's deterministic algorithms (bit-exact GPU resume; slower)
     timeout_s: int = 600  # process-group timeout: a dead peer fails the job after this long
     compile: bool = False  # torch.compile the model
     progress: bool = True  # progress bar on rank 0
@@ -85,6 +86,7 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
+    """When checkpoints are written and kept, which one is best.pt, and the end-of-run average."""
     every_steps: int = 1000  # also written at every epoch end and on preemption
     keep_last: int = 5  # `transformer-average RUN --last 5` (the paper's base-model average) works on every run
     best_metric: str = "val_loss"  # val_loss, or a score the task measures (val_bleu, val_chrf, val_accuracy)
@@ -101,9 +103,9 @@ class EvalConfig:
     valid_beam: Optional[int] = None
     lenpen: float = 1.0  # score / length**lenpen
     max_len_a: float = 1.2  # hypotheses stop at a * source length + b tokens
-    max_len_b: int = 10
-    nbest: int = 1
-    batch_tokens: int = 8000
+    max_len_b: int = 10  # see max_len_a
+    nbest: int = 1  # hypotheses printed per sentence by transformer-translate (Moses n-best format when > 1)
+    batch_tokens: int = 8000  # source tokens per decoding batch
     bleu: bool = True  # validation BLEU at every validation (translation data only)
     bleu_sentences: Optional[int] = None  # validate BLEU on the first N val pairs; None = all
     patience: Optional[int] = None  # early stop after this many validations without a better best_metric
@@ -122,8 +124,8 @@ class BenchConfig:
     vocab_size: int = 32000  # synthetic source and target vocabulary (the generator's cost grows with it)
     length_mean: float = 27.0  # synthetic sentence lengths ~ normal(mean, std), clipped to [min_len, max_len];
     length_std: float = 12.0  # the target length is the source length plus normal(0, std / 4) noise
-    min_len: int = 2
-    max_len: int = 128
+    min_len: int = 2  # shortest synthetic sentence
+    max_len: int = 128  # longest synthetic sentence
     peak_tflops: Optional[float] = None  # the accelerator's peak for MFU; None: from the table of known GPUs
     profile: bool = False  # also print the top operators of a few profiled steps (torch.profiler)
     out: Optional[str] = None  # also append the JSON line to this file

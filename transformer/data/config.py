@@ -9,9 +9,9 @@ from omegaconf import MISSING
 class CopyConfig:
     """The synthetic copy task (Annotated Transformer, "A First Example")."""
     vocab_size: int = 11  # symbols 4..vocab_size-1 after the 4 specials
-    seq_len: int = 10
-    train_size: int = 20000
-    val_size: int = 500
+    seq_len: int = 10  # symbols a sequence
+    train_size: int = 20000  # training sequences
+    val_size: int = 500  # validation sequences
     test_size: int = 1000  # fresh sequences for the exact-match accuracy
 
 
@@ -25,8 +25,8 @@ class Wmt14Config:
 @dataclass
 class DataConfig:
     name: str = "copy"  # copy | multi30k | files | wmt14
-    src_lang: str = "de"
-    tgt_lang: str = "en"
+    src_lang: str = "de"  # source language: the file suffix of the source side
+    tgt_lang: str = "en"  # target language
     root: Optional[str] = None  # cache/download folder; None = $XDG_CACHE_HOME/transformer or ~/.cache/transformer
     # data=multi30k: files are fetched from URL/<file> into ROOT/multi30k (sha256-checked against the table in
     # transformer/data/download.py); a ROOT that already holds them is used offline.
@@ -36,14 +36,14 @@ class DataConfig:
     download_deadline_s: Optional[float] = 3600.0  # one file, all attempts included; null: none
     # data=files: split name -> path prefix; files are PREFIX.SRC_LANG and PREFIX.TGT_LANG (optionally .gz)
     files: Dict[str, str] = field(default_factory=dict)
-    train_split: str = "train"
-    valid_split: str = "val"
+    train_split: str = "train"  # the split that trains (Multi30k file stem, or a key of data.files)
+    valid_split: str = "val"  # the split that validates
     # Splits the evaluate command scores by default (Multi30k file stems, or keys of data.files).
     test_splits: List[str] = field(default_factory=list)
     max_tokens: int = 4096  # per worker per micro-batch, padding included
     # A ramp of batch sizes: epoch e < len uses entry e in place of max_tokens, later epochs max_tokens; [] = off
     max_tokens_by_epoch: List[int] = field(default_factory=list)
-    max_sentences: Optional[int] = None
+    max_sentences: Optional[int] = None  # also cap a micro-batch's sentences; None = tokens alone bound it
     max_len: int = 256  # tokens per side, after tokenisation
     bad_pairs: str = "skip"  # skip (logged count) | error (names the file and line): empty or over-length pairs
     num_workers: Optional[int] = None  # DataLoader workers; None = 2 on GPU, 0 on CPU
@@ -51,8 +51,8 @@ class DataConfig:
     # bpe_dropout_samples segmentations drawn per distinct word (transformer/data/bpe_dropout.py); 0 = off.
     # Epochs before bpe_dropout_from_epoch train on the plain segmentation.
     bpe_dropout: float = 0.0
-    bpe_dropout_samples: int = 8
-    bpe_dropout_from_epoch: int = 0
+    bpe_dropout_samples: int = 8  # segmentations drawn per distinct word, once, with the seed
+    bpe_dropout_from_epoch: int = 0  # the first epoch that trains on dropped merges
     # Preprocessed ids, keyed by a hash of data + tokenizer config; None = <user cache dir>/transformer/cache
     cache_dir: Optional[str] = None
     # A folder made by transformer-preprocess: train from it (memory-mapped; every node must see it) instead of
@@ -68,7 +68,7 @@ class TokenizerConfig:
     name: str = "spacy"  # spacy (word-level, one vocabulary per language) | bpe (one shared subword vocabulary)
     min_freq: int = 2  # spacy: words seen fewer times in train map to <unk>; bpe: least frequent merge kept
     max_vocab: Optional[int] = None  # spacy: keep at most this many words per language (specials included)
-    lowercase: bool = False
+    lowercase: bool = False  # lowercase the text before tokenising and building the vocabulary
     vocab_size: int = 10000  # bpe: shared source+target vocabulary size (specials included)
     # bpe: learn the merges from at most this many training sentences (source and target lines count alike),
     # drawn at random with `seed`; null = all. Encoding always covers the whole corpus.
