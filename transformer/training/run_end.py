@@ -14,7 +14,7 @@ log = logging.getLogger(__name__)
 
 class RunEnd:
     """Mixed into Trainer; uses its cfg, env, model, data, task, run_dir, checkpointer, metrics, metric, best,
-    clock, quality, step, epoch, scores() and _better()."""
+    clock, quality, step, epoch and validator."""
 
     def average_last(self) -> None:
         """checkpoint.average_last=K: the average of the last K checkpoints (as `transformer-average RUN --last
@@ -27,10 +27,10 @@ class RunEnd:
         if path is None:
             return
         self.model.load_state_dict(load_checkpoint(path)["model"])
-        values = self.scores()
+        values = self.validator.scores(self.model, self.ema)
         self.metrics.log("average", self.step, self.epoch, **values, checkpoints=K)
-        if self._better(values[self.metric.name]):
-            self.best = values[self.metric.name]
+        if self.validator.better(values[self.metric.name]):
+            self.validator.best = values[self.metric.name]
             self._link_best(path)
 
     @rank_zero
@@ -92,7 +92,7 @@ class RunEnd:
         chosen = self.checkpointer.target(Path(best)) if best else "no checkpoint"  # best.pt links to it
         log.info("done: step %d, epoch %d, %.1f min | best %s=%s: %s (chosen by checkpoint.best_metric on the "
                  "validation split) | time to quality: %s", self.step, self.epoch, self.clock.seconds() / 60,
-                 self.metric.name, f"{self.best:.4g}" if self.best is not None else "n/a", chosen,
+                 self.metric.name, f"{self.validator.best:.4g}" if self.validator.best is not None else "n/a", chosen,
                  self.quality.summary())
 
     @rank_zero

@@ -31,7 +31,7 @@ from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.optim import build_optimizer, fall_steps
 from transformer.training.quality import RunClock, TimeToQuality
 from transformer.training.run_end import RunEnd
-from transformer.training.validation import Validation
+from transformer.training.validation import Validator, rng_untouched
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-class Trainer(Validation, RunEnd):
+class Trainer(RunEnd):
     def __init__(self, cfg, env: DistEnv, model: torch.nn.Module, data, task: Task, run_dir: Optional[Path],
                  stop=None):
         """`stop` (launcher.StopRequest: `.signum` is set by SIGTERM/SIGUSR1) asks the run to end cleanly."""
@@ -73,10 +73,7 @@ class Trainer(Validation, RunEnd):
         self.pad_multiple = speedups.pad_multiple(self.tcfg)
         self.timer: Optional[StepTimer] = None  # transformer-bench's phase timer
         self.step = self.epoch = self.batch_index = 0
-        self.best: Optional[float] = None
-        self.bad_validations = 0
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
-        self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
         self.clock, self.quality = RunClock(), TimeToQuality(task.metrics().values())
         self._dropout = model.args.dropout  # P_drop the model now has
@@ -85,6 +82,9 @@ class Trainer(Validation, RunEnd):
         self.ema = EMA(self.model, self.tcfg.ema_decay) if self.tcfg.ema_decay > 0 else None
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
         self.metrics = MetricsLogger(run_dir)
+        self.validator = Validator(task, data, env, self.metrics, metric=self.metric,
+                                   label_smoothing=self.tcfg.label_smoothing, patience=cfg.eval.patience,
+                                   autocast=self.autocast, clock=self.clock, quality=self.quality)
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -101,7 +101,7 @@ class Trainer(Validation, RunEnd):
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "trainer": {"step": self.step, "epoch": self.epoch, "batch_index": self.batch_index,
-                        "best": self.best, "bad_validations": self.bad_validations,
+                        "best": self.validator.best, "bad_validations": self.validator.bad_validations,
                         "world_size": self.env.world_size, "metric": self.metric.name,
                         "clock": self.clock.state_dict(), "time_to_quality": self.quality.state_dict()},
             "rng": rngs,
@@ -122,7 +122,7 @@ class Trainer(Validation, RunEnd):
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
         self.step, self.epoch, self.batch_index = t["step"], t["epoch"], t["batch_index"]
-        self.best, self.bad_validations = t["best"], t["bad_validations"]
+        self.validator.best, self.validator.bad_validations = t["best"], t["bad_validations"]
         if self.ema is not None:
             if "ema" not in ckpt:
                 raise CheckpointError(f"{path} holds no weight average but trainer.ema_decay={self.tcfg.ema_decay}: "
@@ -273,11 +273,15 @@ class Trainer(Validation, RunEnd):
         return 0
 
     def _rng_untouched(self):
-        """Runs a block on a copy of the RNG state. Training draws (dropout masks) must depend only on the
-        optimiser steps taken, not on when loader iterators were created or how often we validated:
-        a resumed run creates its iterator mid-epoch and validates at its cut, an uninterrupted one
-        does neither, and both must still end bit-identical."""
-        return torch.random.fork_rng(devices=[self.env.device] if self.env.device.type == "cuda" else [])
+        return rng_untouched(self.env.device)  # validation.rng_untouched says why
+
+    def _validate_once(self) -> bool:
+        """Validates this step's weights (the weight average with trainer.ema_decay), once per step;
+        returns whether they are the best so far."""
+        return self.validator(self.model, self.step, self.epoch, self.ema)
+
+    def _patience_over(self) -> bool:
+        return self.validator.patience_over()
 
     def autocast(self):
         """The forward pass's autocast context (trainer.precision), the same for training and validation."""
