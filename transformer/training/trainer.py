@@ -30,7 +30,7 @@ from transformer.training.logs import MetricsLogger, Progress, gpu_stats, warn
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.optim import build_optimizer, fall_steps
 from transformer.training.quality import RunClock, TimeToQuality
-from transformer.training.run_end import RunEnd
+from transformer.training.run_end import end_of_run
 from transformer.training.validation import Validator, rng_untouched
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype
     return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
-class Trainer(RunEnd):
+class Trainer:
     def __init__(self, cfg, env: DistEnv, model: torch.nn.Module, data, task: Task, run_dir: Optional[Path],
                  stop=None):
         """`stop` (launcher.StopRequest: `.signum` is set by SIGTERM/SIGUSR1) asks the run to end cleanly."""
@@ -156,7 +156,9 @@ class Trainer(RunEnd):
         finally:
             progress.close()
         if code == 0:
-            self.final_eval()
+            end_of_run(self.model, self.validator, cfg=self.cfg, env=self.env, task=self.task, data=self.data,
+                       checkpointer=self.checkpointer, metrics=self.metrics, run_dir=self.run_dir, step=self.step,
+                       epoch=self.epoch, clock=self.clock, ema=self.ema)
         return code
 
     def _total_steps(self) -> Optional[int]:
