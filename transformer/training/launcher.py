@@ -28,6 +28,7 @@ from transformer.tasks import build_task
 from transformer.training import speedups
 from transformer.training.checkpoint import CheckpointError, changed_settings, load_checkpoint
 from transformer.training.logs import setup_logging, start_file_log, warn
+from transformer.training.parallelize import parallelize
 from transformer.training.trainer import Trainer
 
 log = logging.getLogger("transformer")
@@ -71,7 +72,7 @@ def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[D
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
     torch.manual_seed(cfg.seed + env.rank)
-    trainer = Trainer(cfg, env, model, data, build_task(cfg), run_dir, stop)
+    trainer = Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), run_dir, stop)
     restore(trainer, cfg, env)
     if run_dir is not None:  # accepted: only now is the run directory written to
         accept(run_dir, snapshot or {}, trainer)

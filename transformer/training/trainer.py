@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from transformer import exit_codes
 from transformer.config import to_container
@@ -26,9 +25,10 @@ from transformer.training.checkpoint import (
 )
 from transformer.training.ema import EMA
 from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
-from transformer.training.logs import MetricsLogger, Progress, gpu_stats, warn
+from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.optim import build_optimizer, fall_steps
+from transformer.training.parallelize import Parallelized
 from transformer.training.quality import RunClock, TimeToQuality
 from transformer.training.run_end import end_of_run
 from transformer.training.validation import Validator, rng_untouched
@@ -36,47 +36,24 @@ from transformer.training.validation import Validator, rng_untouched
 log = logging.getLogger(__name__)
 
 
-def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
-    """The autocast dtype of the forward pass, or None for fp32. auto means bf16 where the device multiplies
-    bf16 in hardware and fp32 elsewhere: on a CPU, oneDNN runs bf16 products on AMX or AVX512-BF16 units
-    (model=small 1.16x faster than fp32 on an AMX Xeon) but emulates them elsewhere (36x slower than fp32
-    on an AVX2 EPYC; README "Precision on CPUs"). fp16 has no fast CPU kernels and stays fp32 there."""
-    if precision == "fp32" or device.type not in ("cpu", "cuda"):
-        return None
-    if precision == "auto":
-        return torch.bfloat16 if speedups.native_bf16(device) else None
-    if device.type == "cpu":
-        return torch.bfloat16 if precision == "bf16" else None
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
 class Trainer:
-    def __init__(self, cfg, env: DistEnv, model: torch.nn.Module, data, task: Task, run_dir: Optional[Path],
+    def __init__(self, cfg, env: DistEnv, parallel: Parallelized, data, task: Task, run_dir: Optional[Path],
                  stop=None):
         """`stop` (launcher.StopRequest: `.signum` is set by SIGTERM/SIGUSR1) asks the run to end cleanly."""
         self.cfg, self.env, self.data, self.task, self.run_dir = cfg, env, data, task, run_dir
         self.stop = stop
         self.tcfg = cfg.trainer
-        self.model = model.to(env.device)
+        self.parallel = parallel
+        self.model, self.net = parallel.model, parallel.net  # the module, and what the training step calls
+        self.amp_dtype, self.scaler = parallel.amp_dtype, parallel.scaler
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
-        self.amp_dtype = autocast_dtype(self.tcfg.precision, env.device)
-        slow_bf16 = speedups.emulated_bf16(env.device) if self.amp_dtype == torch.bfloat16 else None
-        if slow_bf16:
-            warn(slow_bf16)
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
-        speedups.configure_backends(self.tcfg, env.device)
-        if self.tcfg.activation_checkpointing:
-            speedups.checkpoint_layers(self.model)
-        self.net = DDP(self.model, **speedups.ddp_kwargs(self.tcfg, env.device)) if env.distributed else self.model
-        if self.tcfg.compile:
-            self.net = torch.compile(self.net)
         self.pad_multiple = speedups.pad_multiple(self.tcfg)
         self.timer: Optional[StepTimer] = None  # transformer-bench's phase timer
         self.step = self.epoch = self.batch_index = 0
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
         self.clock, self.quality = RunClock(), TimeToQuality(task.metrics().values())
-        self._dropout = model.args.dropout  # P_drop the model now has
+        self._dropout = self.model.args.dropout  # P_drop the model now has
         self.out_of_time = False  # trainer.max_minutes passed: read with the stop flag, one step late
         self._batch_counts = {}  # token budget -> batches of one epoch (_batches_of)
         self.ema = EMA(self.model, self.tcfg.ema_decay) if self.tcfg.ema_decay > 0 else None
@@ -84,7 +61,7 @@ class Trainer:
         self.metrics = MetricsLogger(run_dir)
         self.validator = Validator(task, data, env, self.metrics, metric=self.metric,
                                    label_smoothing=self.tcfg.label_smoothing, patience=cfg.eval.patience,
-                                   autocast=self.autocast, clock=self.clock, quality=self.quality)
+                                   autocast=parallel.autocast, clock=self.clock, quality=self.quality)
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -287,9 +264,7 @@ class Trainer:
 
     def autocast(self):
         """The forward pass's autocast context (trainer.precision), the same for training and validation."""
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.env.device.type, dtype=self.amp_dtype)
+        return self.parallel.autocast()
 
     def _train_step(self, micro, window: TrainWindow, stop_flag: LaggedFlag):
         """One optimiser step and its bookkeeping, with no host sync. Returns the step's result and the
