@@ -37,9 +37,22 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
+    """One worker's training: Adam with the schedule of paper Section 5.3, label-smoothed loss (Section 5.4),
+    accumulation of trainer.accumulate micro-batches (src (B, S), tgt_in/tgt_out (B, T) -> logits (B, T, V))
+    per step, validation and checkpoints on a schedule. The launcher builds one per rank and calls `train()`.
+
+    Args:
+        cfg: the run's config (all sections).
+        env: the distributed environment (rank, world size, device, collectives).
+        parallel: what `parallelize(model, cfg, env)` returned (model, wrapped module, precision).
+        data: the DataModule: this rank's train and valid loaders, the tokenizer.
+        task: the Task: validation scores, checkpoint.best_metric's declaration, final scores.
+        run_dir: the run directory on global rank 0; None elsewhere and for runs that write nothing.
+        stop: a launcher.StopRequest (`.signum` set by SIGTERM/SIGUSR1): the run ends cleanly, checkpointed.
+    """
+
     def __init__(self, cfg, env: DistEnv, parallel: Parallelized, data, task: Task, run_dir: Optional[Path],
                  stop=None):
-        """`stop` (launcher.StopRequest: `.signum` is set by SIGTERM/SIGUSR1) asks the run to end cleanly."""
         self.cfg, self.env, self.data, self.task, self.run_dir = cfg, env, data, task, run_dir
         self.stop = stop
         self.tcfg = cfg.trainer
@@ -121,7 +134,12 @@ class Trainer:
 
     # ---- training ----------------------------------------------------------------------------------
     def train(self) -> int:
-        """Runs until max_steps/max_epochs, early stop or a stop signal. Returns the process exit code."""
+        """Runs until max_steps/max_epochs/max_minutes, early stop or a stop signal; after a normal end, the
+        end of run (run_end.end_of_run). Collective.
+
+        Returns:
+            The process exit code (transformer/exit_codes.py): 0, or PREEMPTED after a stop signal.
+        """
         if self._stop_before_start():
             return exit_codes.PREEMPTED
         self.clock.start()
