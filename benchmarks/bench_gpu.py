@@ -1,6 +1,6 @@
 """`make bench-gpu`: the GPU test tier, then transformer-bench for model=base and model=big at a few
 data.max_tokens, then decoding speed when Multi30k is at hand (a trained checkpoint's, with --decode-checkpoint; else a
-random model on spaCy vocabularies, which needs spaCy). Prints a Markdown table (for the README)
+random model on spaCy vocabularies, which needs spaCy). Prints a Markdown table (for docs/performance.md)
 and appends every record, one JSON object a line, to --out. Uses the interpreter it runs under: a
 machine's own CUDA torch, with this package importable from the repository (no install, no download).
 

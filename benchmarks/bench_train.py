@@ -115,6 +115,8 @@ def main():
     torch.set_num_threads(args.threads)
     from transformer.data.translation import build_translation_data
     from transformer.model import Transformer
+    from transformer.tasks import build_task
+    from transformer.training.parallelize import parallelize
     from transformer.training.trainer import Trainer
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -122,7 +124,7 @@ def main():
         data = build_translation_data(cfg, DistEnv(), None)
         torch.manual_seed(cfg.seed)
         model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-        trainer = Trainer(cfg, DistEnv(), model, data, None)
+        trainer = Trainer(cfg, DistEnv(), parallelize(model, cfg, DistEnv()), data, build_task(cfg), None)
         window, flag = TrainWindow(), LaggedFlag()
         ours = (lambda batch: trainer._train_step([batch], window, flag), endless(data.train_loader))
         annotated = (Annotated(cfg, data).step, endless(lambda epoch: annotated_batches(data, seed=epoch)))

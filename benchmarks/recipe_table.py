@@ -1,6 +1,6 @@
 """The recipe search's table: one Markdown row per run directory, from what the runs wrote themselves.
 
-    python benchmarks/recipe_table.py multirun/2026-11-23/14-00-00 [more run or sweep folders ...]
+    python benchmarks/recipe_table.py multirun/DATE/TIME [more run or sweep folders ...]
 
 A folder is a run directory (it holds metrics.jsonl) or a sweep folder whose subfolders are run
 directories (Hydra's multirun layout). Each row: the run's command-line overrides (.hydra/overrides.yaml),

@@ -18,8 +18,9 @@ from transformer.dist import DistEnv
 from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training.hotpath import LaggedFlag, TrainWindow
+from transformer.training.parallelize import autocast_dtype, parallelize
 from transformer.training.speedups import native_bf16_tf32
-from transformer.training.trainer import Trainer, autocast_dtype
+from transformer.training.trainer import Trainer
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda", 0)
@@ -32,7 +33,8 @@ def make_trainer(tmp_path, precision, *overrides, env=None):
     data = CopyData(cfg, cfg.seed, 0, 1)
     torch.manual_seed(0)
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-    return Trainer(cfg, env or DistEnv(device=CUDA), model, data, build_task(cfg), tmp_path)
+    env = env or DistEnv(device=CUDA)
+    return Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), tmp_path)
 
 
 def batches(t, n):

@@ -26,6 +26,7 @@ from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training.hotpath import LaggedFlag, TrainWindow
 from transformer.training.loss import label_smoothed_cross_entropy
+from transformer.training.parallelize import parallelize
 from transformer.training.trainer import Trainer
 
 aten = torch.ops.aten
@@ -170,7 +171,7 @@ def _late_worker(rank: int, port: int, run_dir: str, anneal: float):
         data = CopyData(cfg, cfg.seed, rank, 2)
         torch.manual_seed(0)
         model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-        t = Trainer(cfg, env, model, data, build_task(cfg), Path(run_dir))
+        t = Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), Path(run_dir))
         # Only rank 1's clock passes the limit, or the start of the fall (after 3 steps); rank 0's never does.
         seconds = 60.0 * (1 - anneal)
         t.clock.seconds = (lambda: seconds * (t.step >= 3)) if rank == 1 else (lambda: 0.0)

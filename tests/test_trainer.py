@@ -19,6 +19,7 @@ from transformer.training.checkpoint import (
     load_checkpoint,
     load_model,
 )
+from transformer.training.parallelize import parallelize
 from transformer.training.trainer import Trainer
 
 SMALL = ["experiment=copy", "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2",
@@ -31,7 +32,7 @@ def make_trainer(tmp_path, *overrides, seed_model=0):
     data = CopyData(cfg, cfg.seed, 0, 1)
     torch.manual_seed(seed_model)
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-    return Trainer(cfg, DistEnv(), model, data, build_task(cfg), tmp_path)
+    return Trainer(cfg, DistEnv(), parallelize(model, cfg, DistEnv()), data, build_task(cfg), tmp_path)
 
 
 def ragged_pairs(n, seed):
@@ -147,7 +148,7 @@ def test_progress_total_counts_optimizer_steps_of_max_epochs(tmp_path):
 @pytest.mark.parametrize("capability, expected", [((7, 0), None), ((8, 0), torch.bfloat16), ((9, 0), torch.bfloat16)])
 def test_auto_precision_uses_bf16_only_where_the_gpu_has_it_natively(monkeypatch, capability, expected):
     """A V100 (7.0) reports torch.cuda.is_bf16_supported() but only emulates bf16: auto means fp32 there."""
-    from transformer.training.trainer import autocast_dtype
+    from transformer.training.parallelize import autocast_dtype
 
     monkeypatch.setattr(torch.version, "hip", None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
@@ -159,7 +160,7 @@ def test_auto_precision_uses_bf16_only_where_the_gpu_has_it_natively(monkeypatch
 def test_auto_precision_on_a_cpu_is_bf16_only_with_bf16_units(monkeypatch, native, expected):
     """An AMX Xeon trains model=small 1.16x faster in bf16; an AVX2 EPYC 36x slower: auto follows the CPU."""
     from transformer.training import speedups
-    from transformer.training.trainer import autocast_dtype
+    from transformer.training.parallelize import autocast_dtype
 
     monkeypatch.setattr(speedups, "native_bf16_cpu", lambda: native)
     assert autocast_dtype("auto", torch.device("cpu")) is expected
@@ -170,7 +171,7 @@ def test_bf16_on_cpu_autocasts_the_forward_pass_and_learns_as_fp32_does(tmp_path
     """precision=bf16 on a CPU: the products run in bf16 (oneDNN's AMX/AVX512-BF16 kernels where the CPU has
     them), the weights stay fp32, and 60 steps on one batch follow fp32's loss curve to 2% (measured: 3.90 ->
     1.832 in both). fp16 stays fp32 on a CPU."""
-    from transformer.training.trainer import autocast_dtype
+    from transformer.training.parallelize import autocast_dtype
 
     assert autocast_dtype("bf16", torch.device("cpu")) is torch.bfloat16
     assert autocast_dtype("fp16", torch.device("cpu")) is None

@@ -3,7 +3,6 @@ applied by transformer-evaluate/translate unless --lenpen is given."""
 import json
 import subprocess
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 
@@ -17,8 +16,8 @@ from transformer.cli.evaluate import main as evaluate
 from transformer.config import ConfigError, EvalConfig, validate
 from transformer.dist import DistEnv
 from transformer.tasks import translation
+from transformer.training import run_end
 from transformer.training.checkpoint import FORMAT, Checkpointer, load_checkpoint
-from transformer.training.run_end import RunEnd
 
 
 def test_each_value_is_scored_as_valid_bleu_scores_it():
@@ -86,8 +85,7 @@ def test_the_choice_reaches_every_name_of_the_best_file(tmp_path, best_step, ste
     folder = checkpointer.folder
     shared = {p.name for p in folder.glob("*.pt") if p.samefile(folder / "best.pt")}
     tuned = {"lenpen": 1.2, "val_bleu_lenpen1.0": 40.0, "val_bleu_lenpen1.2": 41.0}
-    RunEnd._store_decoding(SimpleNamespace(checkpointer=checkpointer), folder / "best.pt",
-                           load_checkpoint(folder / "best.pt"), tuned)
+    run_end._store_decoding(checkpointer, folder / "best.pt", load_checkpoint(folder / "best.pt"), tuned)
     assert {p.name for p in folder.glob("*.pt") if p.samefile(folder / "best.pt")} == shared
     for name in shared:
         ckpt = load_checkpoint(folder / name)

@@ -75,7 +75,7 @@ class TrainerConfig:
     threads: Optional[int] = None  # torch CPU threads per worker; None = the cores this process may use / local workers
     ema_decay: float = 0.0  # exponential moving average of the weights (0 = off); validation scores the average
     dropout_by_epoch: List[float] = field(default_factory=list)  # P_drop of epochs 0, 1, ...; model.dropout after
-    # Speed switches (transformer/training/speedups.py; measured or not, README "Performance"):
+    # Speed switches (transformer/training/speedups.py; measured or not, docs/performance.md):
     tf32: bool = True  # GPUs: float32 matrix products in TF32 (no effect on bf16 autocast's products)
     keep_freed_memory: bool = True  # CPUs (glibc): freed tensor memory is reused, not handed back to the kernel
     pad_to_multiple: Optional[int] = None  # batch lengths padded up to a multiple; None: 8 with compile, else 1
@@ -97,9 +97,9 @@ class CheckpointConfig:
 class EvalConfig:
     """Decoding during training and for the translate/evaluate commands."""
     beam: int = 1  # 1 = greedy
-    # Beam at the validations during training; None = eval.beam. Greedy (1) decodes ~3x faster than beam 5 and
-    # keeps the step on the same path (validation leaves the RNG untouched), so the hour buys more steps;
-    # eval.tune_lenpen and transformer-evaluate/translate still decode with eval.beam.
+    # Beam at the validations during training; None = eval.beam. Greedy (1) decodes faster than beam 5
+    # (docs/performance.md) and keeps the step on the same path (validation leaves the RNG untouched), so
+    # the hour buys more steps; eval.tune_lenpen and transformer-evaluate/translate still decode with eval.beam.
     valid_beam: Optional[int] = None
     lenpen: float = 1.0  # score / length**lenpen
     max_len_a: float = 1.2  # hypotheses stop at a * source length + b tokens

@@ -9,12 +9,26 @@ from transformer.data.sampler import TokenBatchSampler
 
 
 class DataModule:
-    """Train/valid splits as `PairDataset`s plus the tokenizer that made them.
+    """Train/valid splits as `PairDataset`s plus the tokenizer that made them, batched by tokens as the paper
+    batches (Section 5.1: sentence pairs of similar length, a budget of source and target tokens per batch).
 
-    `tokenizer` has `encode_src(str) -> list[int]`, `decode_tgt(list[int]) -> str`, `src_vocab_size`,
-    `tgt_vocab_size`, `shared_vocab` and `state_dict()` (primitives only, stored in checkpoints).
-    `train_of_epoch`: epoch -> that epoch's training split (BPE-dropout, transformer/data/bpe_dropout.py); its
-    batches are planned from its own lengths. None: `train` every epoch.
+    Its loaders yield `Batch`es of this rank's share: src (B, S), tgt_in and tgt_out (B, T), right-padded
+    with PAD, B varying with the sentence lengths under the token budget.
+
+    Args:
+        train, valid: the splits, token ids per sentence pair.
+        tokenizer: has `encode_src(str) -> list[int]`, `decode_tgt(list[int]) -> str`, `src_vocab_size`,
+            `tgt_vocab_size`, `shared_vocab` and `state_dict()` (primitives only, stored in checkpoints).
+        max_tokens: the token budget of one batch (data.max_tokens): n pairs cost n * max(longest source,
+            longest target) tokens, padding included.
+        max_sentences: a cap on sentences per batch (None: none).
+        seed: the shuffle seed; with the epoch it fixes every epoch's batches.
+        rank, world_size: this worker's share of each epoch's batches.
+        num_workers, pin_memory: DataLoader settings (pinned host memory for GPU copies).
+        valid_refs, valid_srcs: the validation split's raw text, for BLEU.
+        max_tokens_by_epoch: per-epoch token budgets (data.max_tokens_by_epoch), then max_tokens.
+        train_of_epoch: epoch -> that epoch's training split (BPE-dropout, transformer/data/bpe_dropout.py);
+            its batches are planned from its own lengths. None: `train` every epoch.
     """
 
     task = "translation"  # "copy" for the synthetic task: validated by exact-match accuracy, not BLEU

@@ -45,8 +45,8 @@ class TokenBatchSampler:
         n = len(self.src_sizes)
         order = rng.permutation(n) if self.shuffle else np.arange(n)
         # Sort by the batch cost's own length, max(source, target), then target, then source, so a batch
-        # holds similar lengths on both sides; the permutation breaks the remaining ties at random. On
-        # Multi30k this pads 3.7% of tokens, against 6.1% for a (target, source) sort (benchmarks/bench_data.py).
+        # holds similar lengths on both sides; the permutation breaks the remaining ties at random. It pads
+        # fewer tokens than a (target, source) sort (benchmarks/bench_data.py; docs/performance.md).
         # One stable sort of a combined key is the lexsort of the three keys.
         size = np.maximum(self.src_sizes, self.tgt_sizes)
         bits = max(int(size.max(initial=0)).bit_length(), 1)

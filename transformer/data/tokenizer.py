@@ -104,8 +104,8 @@ class SpacyTokenizer:
     Detokenisation: ids carry no whitespace, so each vocabulary word stores two flags learnt from the
     training text (whether it mostly follows its left neighbour without a space, e.g. "," "." "'s", and
     whether it mostly precedes its right neighbour without one, e.g. "(" "„"); tokens are joined with one
-    space unless a flag says otherwise. Straight quotes alternate open/close. This reproduces about 99%
-    of Multi30k validation sentences exactly (benchmarks/bench_data.py measures it)."""
+    space unless a flag says otherwise. Straight quotes alternate open/close. This reproduces nearly all
+    Multi30k validation sentences exactly (benchmarks/bench_data.py measures it; docs/performance.md)."""
 
     name = "spacy"
     shared_vocab = False

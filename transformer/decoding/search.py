@@ -171,11 +171,26 @@ def _drop_done(beams: _Beams, done: torch.Tensor, parent: torch.Tensor):
 @torch.no_grad()
 def beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_a: float, max_len_b: int,
                 nbest: int = 1, stop_at_eos: bool = True, max_len: Optional[int] = None) -> List[List[Hypothesis]]:
-    """src (B, S) -> for each sentence its `nbest` best finished hypotheses, best first.
+    """Beam search (paper Section 6.1), batched over sentences, on the key/value-cached decoder.
 
     fairseq's procedure: every step takes the 2*beam best extensions of the sentence's beam; those
     ending in </s> among the top `beam` are finished, the best `beam` others continue. A sentence is
     done once it has `beam` finished hypotheses (at the length limit all of its live ones finish).
+
+    Args:
+        model: a Transformer (`encode`, `new_cache`, `decode`); run in eval mode, its mode restored after.
+        src: (B, S) source token ids, right-padded with PAD.
+        beam: K, the hypotheses kept per sentence; the cache holds B*K rows.
+        lenpen: length penalty: a finished hypothesis of n tokens scores logprob / n**lenpen.
+        max_len_a, max_len_b: a hypothesis gets at most max_len_a * source length + max_len_b tokens
+            before its </s>, which is then forced.
+        nbest: hypotheses returned per sentence (at most `beam`).
+        stop_at_eos: False forbids </s>, so every output runs to its limit (speed measurements).
+        max_len: a cap on every sentence's limit.
+
+    Returns:
+        B lists (in the order of `src`) of up to `nbest` Hypothesis, best score first; a sentence that
+        finished nothing gets one empty hypothesis of score -inf.
     """
     with eval_mode(model):
         B, K, device = src.size(0), beam, src.device

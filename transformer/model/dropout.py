@@ -1,10 +1,10 @@
 """Dropout (paper Section 5.4, P_drop) that costs little on CPUs.
 
 On a CPU, `nn.Dropout` draws one Bernoulli sample per element, and that costs as much as the matrix product
-before it: 12.5% of a training step of `experiment=multi30k_v2` on 2 cores (torch.profiler, `aten::bernoulli_`).
-Here one 64-bit random integer gives four 16-bit ones, and an element is kept when its 16 bits pass a
-threshold: 4-5x cheaper per call, the same expectation. P_drop is rounded to a multiple of 1/65536 (0.1 becomes
-0.1000061), and survivors are scaled by the exact inverse of the rounded keep rate, so E[out] = x still holds.
+before it (torch.profiler, `aten::bernoulli_`; docs/performance.md). Here one 64-bit random integer gives four
+16-bit ones, and an element is kept when its 16 bits pass a threshold: cheaper per call, the same
+expectation. P_drop is rounded to a multiple of 1/65536 (0.1 becomes 0.1000061), and survivors are scaled
+by the exact inverse of the rounded keep rate, so E[out] = x still holds.
 Other devices, and compiled graphs (whose generated code draws its own random numbers and would otherwise
 break at the int16 view), keep torch's own dropout.
 """

@@ -12,8 +12,7 @@ from transformer.model.dropout import Dropout, keep_mask, uses_keep_mask
 def no_cudnn_attention(device: torch.device) -> None:
     """Attention through flash or memory-efficient kernels, not cuDNN's. Token-bucketed batches (and each
     decoding step) bring a new (B, T, S) shape, and cuDNN's SDPA builds an execution plan for every new
-    shape on the host: on an H100 (torch 2.11, 2026-11-24) 6.4 ms per forward call and 4.7 ms per backward,
-    three quarters of a `model=base` step at 4096 tokens, while its kernels ran 0.05 ms."""
+    shape on the host, which costs far more than its kernels (docs/performance.md)."""
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
 
@@ -98,7 +97,7 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask, is_causal: bool) -
 def _cpu_dropout_attention(q, k, v, mask, is_causal: bool, p: float) -> torch.Tensor:
     """Equation (1) with dropout on the weights (Section 5.4), as SDPA computes it on a CPU, but with the cheap
     dropout mask of transformer/model/dropout.py. With dropout, SDPA on a CPU takes its math path, which draws
-    one Bernoulli sample per weight: 9 calls a step, ~5% of an experiment=multi30k step on 2 cores. Like that
+    one Bernoulli sample per weight, at a cost docs/performance.md gives. Like that
     path, products and softmax run in fp32 whatever the input dtype (autocast off), and the result returns to it.
     q (B, h, T, d_k), k and v (B, h, S, d_k) -> (B, h, T, d_k)."""
     compute = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 (gradcheck)

@@ -56,7 +56,7 @@ class ModelArgs:
     @staticmethod
     def upgrade(d: dict) -> dict:
         """A checkpoint's "model_args" as this version writes them (`load_checkpoint` applies it): those written
-        before N_dec existed (2026-11-27) had N layers on both sides."""
+        before N_dec existed had N layers on both sides."""
         return {**d, "N_dec": d["N"]} if "N_dec" not in d and "N" in d else d
 
 
@@ -147,7 +147,17 @@ class Transformer(nn.Module):
                 emb.weight[PAD].zero_()
 
     def encode(self, src: torch.Tensor):
-        """src (B, S) -> memory (B, S, d_model) and the source padding mask (B, 1, 1, S), True at real tokens."""
+        """The encoder stack (paper Section 3.1): source embedding and positions (Sections 3.4, 3.5), then N
+        layers of self-attention (h heads, Section 3.2.2) and feed-forward (d_ff, Section 3.3).
+
+        Args:
+            src: (B, S) source token ids, right-padded with PAD (the source's </s> included).
+
+        Returns:
+            memory: (B, S, d_model) the encoder output that every decoder layer attends to.
+            src_mask: (B, 1, 1, S) bool, True at real tokens, False at padding (broadcasts over heads
+                and query positions).
+        """
         src_mask = (src != PAD)[:, None, None, :]
         x = self.src_embed(src)
         for layer in self.encoder:
@@ -159,8 +169,20 @@ class Transformer(nn.Module):
 
     def decode(self, tgt_in: torch.Tensor, memory: Optional[torch.Tensor] = None,
                src_mask: Optional[torch.Tensor] = None, cache: Optional[DecoderCache] = None) -> torch.Tensor:
-        """tgt_in (B, T) -> logits (B, T, V). With `cache`, tgt_in holds only the new positions (usually T=1):
-        earlier ones come from the cache, which is extended."""
+        """The decoder stack (paper Section 3.1) and the pre-softmax projection (Section 3.4): N_dec layers of
+        masked self-attention, attention over the encoder output, and feed-forward.
+
+        Args:
+            tgt_in: (B, T) target ids starting with <s> (teacher forcing), right-padded with PAD; with
+                `cache`, only the new positions (usually T = 1), earlier ones coming from the cache.
+            memory: (B, S, d_model) the encoder output (`encode`); unused with `cache`.
+            src_mask: (B, 1, 1, S) the source padding mask (`encode`); unused with `cache`.
+            cache: a DecoderCache (`new_cache`) of the cross-attention keys/values and earlier self-attention
+                keys/values, for incremental decoding; it is extended by T positions.
+
+        Returns:
+            (B, T, V) logits over the target vocabulary (V = tgt_vocab_size), unnormalised.
+        """
         if cache is None:
             cross_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
             self_caches = [None] * len(self.decoder)

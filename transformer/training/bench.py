@@ -68,6 +68,7 @@ def build(cfg, env):
     """The data (real or synthetic) and a Trainer with no run directory: a benchmark writes no files."""
     from transformer.model import Transformer
     from transformer.tasks import build_task
+    from transformer.training.parallelize import parallelize
     from transformer.training.trainer import Trainer
 
     if cfg.bench.synthetic:
@@ -80,7 +81,7 @@ def build(cfg, env):
     torch.manual_seed(cfg.seed)
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
     torch.manual_seed(cfg.seed + env.rank)
-    return Trainer(cfg, env, model, data, build_task(cfg), None)
+    return Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), None)
 
 
 def endless_batches(data):

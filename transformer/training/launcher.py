@@ -28,6 +28,7 @@ from transformer.tasks import build_task
 from transformer.training import speedups
 from transformer.training.checkpoint import CheckpointError, changed_settings, load_checkpoint
 from transformer.training.logs import setup_logging, start_file_log, warn
+from transformer.training.parallelize import parallelize
 from transformer.training.trainer import Trainer
 
 log = logging.getLogger("transformer")
@@ -71,7 +72,7 @@ def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[D
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
     torch.manual_seed(cfg.seed + env.rank)
-    trainer = Trainer(cfg, env, model, data, build_task(cfg), run_dir, stop)
+    trainer = Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), run_dir, stop)
     restore(trainer, cfg, env)
     if run_dir is not None:  # accepted: only now is the run directory written to
         accept(run_dir, snapshot or {}, trainer)
@@ -112,7 +113,7 @@ def set_threads(requested: Optional[int], local_workers: int) -> int:
     """torch's intra-op threads: `trainer.threads`, else OMP_NUM_THREADS where the launcher or the user set
     it, else the cores this process may run on (its affinity mask, which Slurm and taskset set) shared among
     the workers of this node. torch's default (every core of the machine in every worker) oversubscribes
-    the cores and can slow training 5-20x."""
+    the cores and slows training several times over (docs/performance.md)."""
     omp = os.environ.get("OMP_NUM_THREADS", "")
     threads = requested or (int(omp) if omp.isdigit() and int(omp) > 0 else
                             max(1, len(os.sched_getaffinity(0)) // max(local_workers, 1)))

@@ -9,8 +9,8 @@ cross-entropy (not KL) so they are comparable to fairseq's.
 
 The loss is a hand-written autograd function over row chunks of the (B*T, V) logits. Written with
 log_softmax, autograd keeps an fp32 copy of the logits, their log-probabilities, and the sums of two
-gradient paths, each a full pass over B*T*V floats: on 2 CPU cores those passes cost more than the
-generator's matrix product (experiment=multi30k, 2048-token batches: ~95 of a 450 ms step). Here each
+gradient paths, each a full pass over B*T*V floats: on CPUs those passes cost more than the
+generator's matrix product (docs/performance.md). Here each
 chunk is cast to fp32 while it sits in cache, and the backward pass writes the gradient once, from
 d loss / d x_j = p_j - eps / (V - 1) - (1 - eps - eps / (V - 1)) [j = target].
 """
@@ -33,8 +33,8 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
 
 
 def rows_per_chunk(logits: torch.Tensor) -> int:
-    """Rows whose fp32 copy fits in a core's cache on CPUs (4 MiB; 64-128 rows of a 10k vocabulary measured
-    the same); on GPUs few, large chunks, since every chunk costs kernel launches."""
+    """Rows whose fp32 copy fits in a core's cache on CPUs (4 MiB; smaller chunks measured the same:
+    docs/performance.md); on GPUs few, large chunks, since every chunk costs kernel launches."""
     elements = 1 << 20 if logits.device.type == "cpu" else 1 << 26
     return max(1, elements // logits.size(-1))
 

@@ -88,10 +88,9 @@ class NoamSchedule:
 def fall_steps(anneal: float, epoch: int, batch_index: int, accumulate: int, batches_of) -> int:
     """The steps that the last `anneal` of the minutes should buy, from where the fall starts: batch
     `batch_index` of `epoch`; `batches_of(e)` is epoch e's batch count. The pace is counted in epochs, not in
-    steps: an epoch takes about the same minutes whatever its token budget (1.6-2.3 in experiment=multi30k,
-    whose batches grow from 512 to 2048 tokens), while the steps of a batch ramp's small early epochs are
-    quick, so the pace in steps so far plans a fall that the time left cannot finish (1,415 steps planned,
-    840 run: the rate ended at 39% of its start)."""
+    steps: an epoch takes about the same minutes whatever its token budget, while the steps of a batch ramp's
+    small early epochs are quick, so the pace in steps so far plans a fall that the time left cannot finish
+    (the rate then ends well above 0: docs/multi30k.md)."""
     batches = batches_of(epoch)
     left = (epoch + batch_index / batches) * anneal / (1 - anneal)  # epochs the rest of the time covers
     steps, share = 0.0, 1 - batch_index / batches  # the part of `epoch` still ahead
@@ -108,8 +107,8 @@ def fall_steps(anneal: float, epoch: int, batch_index: int, accumulate: int, bat
 def build_optimizer(model: torch.nn.Module, cfg_optim, d_model: int):
     """Adam(beta1=0.9, beta2=0.98, eps=1e-9) with the Noam schedule. Tied weights appear once in parameters()."""
     params = [p for p in model.parameters() if p.requires_grad]
-    # Fused Adam: one kernel over all parameters. On CPUs too (torch >= 2.4): model=small's update took 104 ms
-    # instead of 580 ms (per-tensor loop) on the 2-core CI machine.
+    # Fused Adam: one kernel over all parameters, on CPUs too (torch >= 2.4), several times faster than the
+    # per-tensor loop (docs/performance.md).
     kwargs = {"fused": True} if params and params[0].device.type in ("cuda", "cpu") else {}
     opt = torch.optim.Adam(params, lr=0.0, betas=(cfg_optim.beta1, cfg_optim.beta2), eps=cfg_optim.eps,
                            weight_decay=cfg_optim.weight_decay, **kwargs)

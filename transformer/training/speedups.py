@@ -1,6 +1,6 @@
 """Speed switches of the trainer: TF32, deterministic cuBLAS, bf16 on CPUs, torch.compile with bounded
 recompiles, DDP options and activation checkpointing. Each is a `trainer.*` key (transformer/config.py);
-the README's Performance section says which defaults were measured and which were not.
+docs/performance.md says which defaults were measured and which were not.
 """
 import ctypes
 import os
@@ -42,11 +42,10 @@ def keep_freed_memory() -> bool:
     the kernel. torch's CPU allocator has no cache of its own: every step allocates its activations and
     gradients anew, and glibc serves blocks over 32 MiB (the logits of a 2048-token batch, their gradient)
     with a fresh mmap and returns them on free, trimming the heap above 128 KiB too; the kernel then
-    faults in and zeroes every 4 KiB page again: ~25,000 page faults a step of experiment=multi30k on
-    2 cores (README "Performance"). With mmap off and the trim threshold at 1 GiB, a step reuses the heap
-    pages of the step before. Returns whether the setting took (glibc on Linux; elsewhere it does nothing).
-    Resident memory then stays at its peak, a little above the peak without it (1.47 against 1.40 GiB
-    measured for experiment=multi30k)."""
+    faults in and zeroes every 4 KiB page again, many thousands a step (docs/performance.md). With mmap off
+    and the trim threshold at 1 GiB, a step reuses the heap pages of the step before. Returns whether the
+    setting took (glibc on Linux; elsewhere it does nothing). Resident memory then stays at its peak, a
+    little above the peak without it (docs/performance.md)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -60,12 +59,12 @@ def keep_freed_memory() -> bool:
 
 def native_bf16_tf32(device: torch.device) -> bool:
     """Ampere or newer (or ROCm): bf16 and TF32 in hardware. torch.cuda.is_bf16_supported() also says yes
-    where bf16 is only emulated (a V100), which would make precision=auto slower than fp32 there."""
+    where bf16 is only emulated (GPUs before Ampere), which would make precision=auto slower than fp32 there."""
     return device.type == "cuda" and (bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8)
 
 
 def native_bf16_cpu() -> bool:
-    """AMX or AVX512-BF16 (Sapphire Rapids and newer Xeons, Zen 4): oneDNN runs bf16 products in hardware.
+    """AMX or AVX512-BF16 (the CPU kinds: docs/performance.md): oneDNN runs bf16 products in hardware.
     Elsewhere it emulates them, more slowly than fp32. torch.cpu's probes are private, hence the getattr."""
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)

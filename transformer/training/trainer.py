@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from transformer import exit_codes
 from transformer.config import to_container
@@ -26,65 +25,56 @@ from transformer.training.checkpoint import (
 )
 from transformer.training.ema import EMA
 from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
-from transformer.training.logs import MetricsLogger, Progress, gpu_stats, warn
+from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.optim import build_optimizer, fall_steps
+from transformer.training.parallelize import Parallelized
 from transformer.training.quality import RunClock, TimeToQuality
-from transformer.training.run_end import RunEnd
-from transformer.training.validation import Validation
+from transformer.training.run_end import end_of_run
+from transformer.training.validation import Validator, rng_untouched
 
 log = logging.getLogger(__name__)
 
 
-def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
-    """The autocast dtype of the forward pass, or None for fp32. auto means bf16 where the device multiplies
-    bf16 in hardware and fp32 elsewhere: on a CPU, oneDNN runs bf16 products on AMX or AVX512-BF16 units
-    (model=small 1.16x faster than fp32 on an AMX Xeon) but emulates them elsewhere (36x slower than fp32
-    on an AVX2 EPYC; README "Precision on CPUs"). fp16 has no fast CPU kernels and stays fp32 there."""
-    if precision == "fp32" or device.type not in ("cpu", "cuda"):
-        return None
-    if precision == "auto":
-        return torch.bfloat16 if speedups.native_bf16(device) else None
-    if device.type == "cpu":
-        return torch.bfloat16 if precision == "bf16" else None
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+class Trainer:
+    """One worker's training: Adam with the schedule of paper Section 5.3, label-smoothed loss (Section 5.4),
+    accumulation of trainer.accumulate micro-batches (src (B, S), tgt_in/tgt_out (B, T) -> logits (B, T, V))
+    per step, validation and checkpoints on a schedule. The launcher builds one per rank and calls `train()`.
 
+    Args:
+        cfg: the run's config (all sections).
+        env: the distributed environment (rank, world size, device, collectives).
+        parallel: what `parallelize(model, cfg, env)` returned (model, wrapped module, precision).
+        data: the DataModule: this rank's train and valid loaders, the tokenizer.
+        task: the Task: validation scores, checkpoint.best_metric's declaration, final scores.
+        run_dir: the run directory on global rank 0; None elsewhere and for runs that write nothing.
+        stop: a launcher.StopRequest (`.signum` set by SIGTERM/SIGUSR1): the run ends cleanly, checkpointed.
+    """
 
-class Trainer(Validation, RunEnd):
-    def __init__(self, cfg, env: DistEnv, model: torch.nn.Module, data, task: Task, run_dir: Optional[Path],
+    def __init__(self, cfg, env: DistEnv, parallel: Parallelized, data, task: Task, run_dir: Optional[Path],
                  stop=None):
-        """`stop` (launcher.StopRequest: `.signum` is set by SIGTERM/SIGUSR1) asks the run to end cleanly."""
         self.cfg, self.env, self.data, self.task, self.run_dir = cfg, env, data, task, run_dir
         self.stop = stop
         self.tcfg = cfg.trainer
-        self.model = model.to(env.device)
+        self.parallel = parallel
+        self.model, self.net = parallel.model, parallel.net  # the module, and what the training step calls
+        self.amp_dtype, self.scaler = parallel.amp_dtype, parallel.scaler
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
-        self.amp_dtype = autocast_dtype(self.tcfg.precision, env.device)
-        slow_bf16 = speedups.emulated_bf16(env.device) if self.amp_dtype == torch.bfloat16 else None
-        if slow_bf16:
-            warn(slow_bf16)
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp_dtype == torch.float16)
-        speedups.configure_backends(self.tcfg, env.device)
-        if self.tcfg.activation_checkpointing:
-            speedups.checkpoint_layers(self.model)
-        self.net = DDP(self.model, **speedups.ddp_kwargs(self.tcfg, env.device)) if env.distributed else self.model
-        if self.tcfg.compile:
-            self.net = torch.compile(self.net)
         self.pad_multiple = speedups.pad_multiple(self.tcfg)
         self.timer: Optional[StepTimer] = None  # transformer-bench's phase timer
         self.step = self.epoch = self.batch_index = 0
-        self.best: Optional[float] = None
-        self.bad_validations = 0
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
-        self._last_val: Optional[tuple] = None  # (step, is_best) of the latest validation
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
         self.clock, self.quality = RunClock(), TimeToQuality(task.metrics().values())
-        self._dropout = model.args.dropout  # P_drop the model now has
+        self._dropout = self.model.args.dropout  # P_drop the model now has
         self.out_of_time = False  # trainer.max_minutes passed: read with the stop flag, one step late
         self._batch_counts = {}  # token budget -> batches of one epoch (_batches_of)
         self.ema = EMA(self.model, self.tcfg.ema_decay) if self.tcfg.ema_decay > 0 else None
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
         self.metrics = MetricsLogger(run_dir)
+        self.validator = Validator(task, data, env, self.metrics, metric=self.metric,
+                                   label_smoothing=self.tcfg.label_smoothing, patience=cfg.eval.patience,
+                                   autocast=parallel.autocast, clock=self.clock, quality=self.quality)
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -101,7 +91,7 @@ class Trainer(Validation, RunEnd):
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "trainer": {"step": self.step, "epoch": self.epoch, "batch_index": self.batch_index,
-                        "best": self.best, "bad_validations": self.bad_validations,
+                        "best": self.validator.best, "bad_validations": self.validator.bad_validations,
                         "world_size": self.env.world_size, "metric": self.metric.name,
                         "clock": self.clock.state_dict(), "time_to_quality": self.quality.state_dict()},
             "rng": rngs,
@@ -122,7 +112,7 @@ class Trainer(Validation, RunEnd):
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
         self.step, self.epoch, self.batch_index = t["step"], t["epoch"], t["batch_index"]
-        self.best, self.bad_validations = t["best"], t["bad_validations"]
+        self.validator.best, self.validator.bad_validations = t["best"], t["bad_validations"]
         if self.ema is not None:
             if "ema" not in ckpt:
                 raise CheckpointError(f"{path} holds no weight average but trainer.ema_decay={self.tcfg.ema_decay}: "
@@ -144,7 +134,12 @@ class Trainer(Validation, RunEnd):
 
     # ---- training ----------------------------------------------------------------------------------
     def train(self) -> int:
-        """Runs until max_steps/max_epochs, early stop or a stop signal. Returns the process exit code."""
+        """Runs until max_steps/max_epochs/max_minutes, early stop or a stop signal; after a normal end, the
+        end of run (run_end.end_of_run). Collective.
+
+        Returns:
+            The process exit code (transformer/exit_codes.py): 0, or PREEMPTED after a stop signal.
+        """
         if self._stop_before_start():
             return exit_codes.PREEMPTED
         self.clock.start()
@@ -156,7 +151,9 @@ class Trainer(Validation, RunEnd):
         finally:
             progress.close()
         if code == 0:
-            self.final_eval()
+            end_of_run(self.model, self.validator, cfg=self.cfg, env=self.env, task=self.task, data=self.data,
+                       checkpointer=self.checkpointer, metrics=self.metrics, run_dir=self.run_dir, step=self.step,
+                       epoch=self.epoch, clock=self.clock, ema=self.ema)
         return code
 
     def _total_steps(self) -> Optional[int]:
@@ -273,17 +270,19 @@ class Trainer(Validation, RunEnd):
         return 0
 
     def _rng_untouched(self):
-        """Runs a block on a copy of the RNG state. Training draws (dropout masks) must depend only on the
-        optimiser steps taken, not on when loader iterators were created or how often we validated:
-        a resumed run creates its iterator mid-epoch and validates at its cut, an uninterrupted one
-        does neither, and both must still end bit-identical."""
-        return torch.random.fork_rng(devices=[self.env.device] if self.env.device.type == "cuda" else [])
+        return rng_untouched(self.env.device)  # validation.rng_untouched says why
+
+    def _validate_once(self) -> bool:
+        """Validates this step's weights (the weight average with trainer.ema_decay), once per step;
+        returns whether they are the best so far."""
+        return self.validator(self.model, self.step, self.epoch, self.ema)
+
+    def _patience_over(self) -> bool:
+        return self.validator.patience_over()
 
     def autocast(self):
         """The forward pass's autocast context (trainer.precision), the same for training and validation."""
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.env.device.type, dtype=self.amp_dtype)
+        return self.parallel.autocast()
 
     def _train_step(self, micro, window: TrainWindow, stop_flag: LaggedFlag):
         """One optimiser step and its bookkeeping, with no host sync. Returns the step's result and the

@@ -1,0 +1,95 @@
+"""All wrapping of the model for training, in one function: device placement, precision (the autocast dtype
+and the fp16 grad scaler), backend switches, activation checkpointing, DistributedDataParallel and
+torch.compile. The entry point calls `parallelize(model, cfg, env)` and gives the result to the Trainer,
+which wraps nothing itself.
+"""
+import contextlib
+from dataclasses import dataclass
+from typing import ContextManager, Optional
+
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from transformer.dist import DistEnv
+from transformer.training import speedups
+from transformer.training.logs import warn
+
+
+def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
+    """The autocast dtype of the forward pass, or None for fp32. auto means bf16 where the device multiplies
+    bf16 in hardware and fp32 elsewhere: on a CPU, oneDNN runs bf16 products on AMX or AVX512-BF16 units
+    but emulates them elsewhere, far more slowly than fp32 (docs/performance.md). fp16 has no fast CPU
+    kernels and stays fp32 there."""
+    if precision == "fp32" or device.type not in ("cpu", "cuda"):
+        return None
+    if precision == "auto":
+        return torch.bfloat16 if speedups.native_bf16(device) else None
+    if device.type == "cpu":
+        return torch.bfloat16 if precision == "bf16" else None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+@dataclass
+class Parallelized:
+    """A model ready to train, as `parallelize` returns it.
+
+    Attributes:
+        model: the plain module on the device. Its state_dict is the checkpoint's (parameter names
+            unchanged by any wrapper); the optimiser, EMA, validation, decoding and saving use it.
+        net: what the training step calls: `model`, wrapped in DDP when distributed, compiled with
+            trainer.compile. Same parameters as `model`.
+        amp_dtype: the forward pass's autocast dtype (torch.bfloat16 / torch.float16), None for fp32.
+        scaler: the loss scaler, enabled for fp16 only (a no-op otherwise).
+        device: the device `model` lives on.
+    """
+
+    model: torch.nn.Module
+    net: torch.nn.Module
+    amp_dtype: Optional[torch.dtype]
+    scaler: torch.amp.GradScaler
+    device: torch.device
+
+    def autocast(self) -> ContextManager:
+        """The forward pass's autocast context (trainer.precision), the same for training and validation."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+
+def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
+    """Moves `model` to `env.device` and applies every training wrapper `cfg.trainer` asks for.
+
+    In order: precision (trainer.precision: the autocast dtype, with a warning where bf16 is emulated, and a
+    grad scaler enabled for fp16), backend switches (TF32, deterministic cuBLAS, attention kernels, CPU
+    allocator: speedups.configure_backends), activation checkpointing (per layer, in place: parameter names
+    unchanged), DDP when the run has more than one worker, then torch.compile over the result.
+
+    This is the one place a sharded data-parallel wrapper (FSDP2's `fully_shard` per encoder/decoder layer,
+    then on the root) would plug in, in place of DDP: the Trainer only calls `net`, steps the optimiser on
+    `model`'s parameters and saves `model.state_dict()`, which sharding would turn into a gathered or
+    distributed checkpoint.
+
+    Args:
+        model: the Transformer, built identically on every rank, on the CPU.
+        cfg: the run's config; reads trainer.precision, activation_checkpointing, compile, ddp_bucket_mb,
+            ddp_static_graph, tf32, deterministic and keep_freed_memory.
+        env: the distributed environment (device, whether distributed).
+
+    Returns:
+        A `Parallelized`: the plain model, the module the training step calls, the autocast dtype, the
+        grad scaler and the device.
+    """
+    tcfg = cfg.trainer
+    model = model.to(env.device)
+    amp_dtype = autocast_dtype(tcfg.precision, env.device)
+    slow_bf16 = speedups.emulated_bf16(env.device) if amp_dtype == torch.bfloat16 else None
+    if slow_bf16:
+        warn(slow_bf16)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
+    speedups.configure_backends(tcfg, env.device)
+    if tcfg.activation_checkpointing:
+        speedups.checkpoint_layers(model)
+    net = DDP(model, **speedups.ddp_kwargs(tcfg, env.device)) if env.distributed else model
+    if tcfg.compile:
+        net = torch.compile(net)
+    return Parallelized(model, net, amp_dtype, scaler, env.device)
