@@ -65,9 +65,10 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
     unchanged), DDP when the run has more than one worker, then torch.compile over the result.
 
     This is the one place a sharded data-parallel wrapper (FSDP2's `fully_shard` per encoder/decoder layer,
-    then on the root) would plug in, in place of DDP: the Trainer only calls `net`, steps the optimiser on
-    `model`'s parameters and saves `model.state_dict()`, which sharding would turn into a gathered or
-    distributed checkpoint.
+    then on the root) would plug in, in place of DDP: the Trainer only calls `net` (and DDP's `no_sync()`
+    between micro-batches, FSDP2's `set_requires_gradient_sync` there), steps the optimiser on `model`'s
+    parameters and saves `model.state_dict()`, which sharding would turn into a gathered or distributed
+    checkpoint.
 
     Args:
         model: the Transformer, built identically on every rank, on the CPU.
