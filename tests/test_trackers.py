@@ -223,3 +223,18 @@ def test_a_failure_is_recorded_as_failed(tmp_path, monkeypatch):
     assert wandb_run(quiet)["summary"]["exit_status"] == "bad_input" and not (quiet / "metrics.jsonl").exists()
     m, series, _ = mlflow_run((quiet / "mlruns").as_uri())
     assert m.info.status == "FAILED" and m.data.tags["exit_status"] == "bad_input" and series == {}
+
+
+def test_a_tracker_that_cannot_start_is_bad_input(tmp_path, monkeypatch):
+    """wandb online without a login (the server address a closed local port): a ValueError naming the keys."""
+    from transformer.training.trackers import open_trackers
+    for k, v in offline_env(tmp_path).items():
+        if k.startswith("WANDB_"):
+            monkeypatch.setenv(k, v)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login
+    cfg = compose_cfg("experiment=copy", "logger.trackers=[wandb]", "logger.wandb.mode=online").logger
+    (tmp_path / "run").mkdir()
+    with pytest.raises(ValueError, match=r"^logger.trackers: wandb could not start a run \(.*\); check logger.wandb"):
+        open_trackers(cfg, tmp_path / "run", {"seed": 1})

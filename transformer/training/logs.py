@@ -137,8 +137,11 @@ class MetricsLogger:
         still gets a tracker run saying so (only trackers: no empty metrics.jsonl)."""
         if code and self.trackers is None and self.run_dir is not None and self.run_dir.is_dir():
             self._open_trackers()
-        for tracker in self.trackers or []:
-            tracker.close(code)
+        if self.trackers:
+            from transformer.training.trackers import close_quietly
+
+            for tracker in self.trackers:
+                close_quietly(tracker, code)
         self.trackers = None
         if self.file is not None:
             self.file.close()

@@ -141,6 +141,27 @@ class MlflowTracker:
 
 
 def open_trackers(cfg_logger, run_dir: Path, config: dict) -> list:
-    """The wandb/mlflow trackers `logger.trackers` names (TensorBoard is MetricsLogger's own writer)."""
+    """The wandb/mlflow trackers `logger.trackers` names (TensorBoard is MetricsLogger's own writer). One that
+    cannot start (no login, a server out of reach, a bad URI) is bad input: a ValueError naming its keys."""
     classes = {"wandb": (WandbTracker, cfg_logger.wandb), "mlflow": (MlflowTracker, cfg_logger.mlflow)}
-    return [classes[name][0](classes[name][1], run_dir, config) for name in cfg_logger.trackers if name in classes]
+    opened = []
+    for name in cfg_logger.trackers:
+        if name in classes:
+            try:
+                opened.append(classes[name][0](classes[name][1], run_dir, config))
+            except Exception as e:
+                for tracker in opened:
+                    close_quietly(tracker, exit_codes.USER_ERROR)
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ValueError(f"logger.trackers: {name} could not start a run ({type(e).__name__}: {first}); "
+                                 f"check logger.{name}.* and the {name} login/server, or drop it from "
+                                 "logger.trackers") from None
+    return opened
+
+
+def close_quietly(tracker, code: int) -> None:
+    """Records the end; a tracker that fails to (a server gone) is a warning, never the run's failure."""
+    try:
+        tracker.close(code)
+    except Exception as e:
+        log.warning("%s could not record the end of the run: %s: %s", type(tracker).__name__, type(e).__name__, e)
