@@ -16,7 +16,7 @@ from tests.helpers.cli import compose_cfg, train_cmd
 from tests.helpers.dist import TINY, env_for, finish, popen, run_cli, step_files, wait_for
 from transformer import exit_codes
 from transformer.config import Config, ConfigError
-from transformer.training.trackers import check_logger
+from transformer.training.trackers import check_logger, exit_status
 
 wandb = pytest.importorskip("wandb")
 mlflow = pytest.importorskip("mlflow")
@@ -42,12 +42,11 @@ def offline_env(tmp_path: Path) -> dict:
 
 
 # ---- reading back what the trackers stored -------------------------------------------------------------
-def wandb_records(run_dir: Path):
-    """The records of the run's offline .wandb file: a LevelDB-style log of 32 KiB blocks after a 7-byte
-    header, each record a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and a
-    protobuf `Record` (wandb.proto.wandb_internal_pb2)."""
+def wandb_records(path: Path):
+    """The records of an offline .wandb file: a LevelDB-style log of 32 KiB blocks after a 7-byte header,
+    each record a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last) and a protobuf
+    `Record` (wandb.proto.wandb_internal_pb2)."""
     from wandb.proto import wandb_internal_pb2 as pb
-    (path,) = run_dir.glob("wandb/offline-run-*/run-*.wandb")
     data, block = path.read_bytes(), 32768
     assert data[:4] == b":W&B"
     pos, parts = 7, b""
@@ -70,10 +69,15 @@ def wandb_records(run_dir: Path):
 
 
 def wandb_run(run_dir: Path) -> dict:
-    """{"series": {key: [(step, value)]}, "config": {...}, "summary": {...}, "exit_code": int}."""
-    out = {"series": {}, "config": {}, "summary": {}, "exit_code": None}
-    for r in wandb_records(run_dir):
+    """{"series": {key: [(step, value)]}, "config": {...}, "summary": {...}, "exit_code": int, "ids": [...]}
+    over the run directory's offline runs in time order (a resumed run adds one, with the same id)."""
+    out = {"series": {}, "config": {}, "summary": {}, "exit_code": None, "ids": []}
+    files = sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb"), key=lambda p: p.parent.name)
+    records = [r for path in files for r in wandb_records(path)]
+    for r in records:
         kind = r.WhichOneof("record_type")
+        if kind == "run":
+            out["ids"].append(r.run.run_id)
         if kind == "history":
             items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
             for k, v in items.items():
@@ -178,11 +182,12 @@ def test_wandb_and_mlflow_get_the_series_config_and_success(tmp_path):
     assert m.info.run_name == "run"
 
 
-def test_a_preempted_run_is_recorded_as_such(tmp_path):
+@pytest.mark.slow
+def test_a_preempted_run_is_recorded_as_such_and_its_resume_continues_it(tmp_path):
     run = tmp_path / "run"
-    proc = popen(train_cmd(*TINY, "trainer.max_steps=100000", "checkpoint.every_steps=5", "trainer.val_every=100000",
-                           "trainer.accelerator=cpu", "logger.trackers=[wandb,mlflow]", f"hydra.run.dir={run}"),
-                 tmp_path, env=offline_env(tmp_path))
+    args = (*TINY, "checkpoint.every_steps=5", "trainer.val_every=100000", "trainer.accelerator=cpu",
+            "logger.trackers=[wandb,mlflow]", f"hydra.run.dir={run}")
+    proc = popen(train_cmd(*args, "trainer.max_steps=100000"), tmp_path, env=offline_env(tmp_path))
     wait_for(lambda: step_files(run), 180, "the first checkpoint", proc)
     os.kill(proc.pid, signal.SIGTERM)
     err = finish(proc)
@@ -195,6 +200,17 @@ def test_a_preempted_run_is_recorded_as_such(tmp_path):
     m, series, _ = mlflow_run((run / "mlruns").as_uri())  # the default store: the run directory
     assert m.info.status == "KILLED" and m.data.tags["exit_status"] == "preempted"
     assert_same_series(series, jsonl_series(run))
+
+    stopped = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"]
+    run_cli(train_cmd(*args, f"trainer.max_steps={stopped + 3}"), tmp_path, env=offline_env(tmp_path))
+    w = wandb_run(run)  # the resumed launch continues the same wandb run, and the same MLflow run
+    assert len(w["ids"]) == 2 and len(set(w["ids"])) == 1
+    assert w["exit_code"] == 0 and w["summary"]["exit_status"] == "success"
+    assert_same_series(w["series"], jsonl_series(run))
+    m, series, _ = mlflow_run((run / "mlruns").as_uri())
+    assert m.info.status == "FINISHED" and m.data.tags["exit_status"] == "success"
+    assert_same_series(series, jsonl_series(run))
+    assert max(s for s, _ in series["train/loss"]) == stopped + 3
 
 
 def test_a_failure_is_recorded_as_failed(tmp_path, monkeypatch):
@@ -216,6 +232,7 @@ def test_a_failure_is_recorded_as_failed(tmp_path, monkeypatch):
     m, series, _ = mlflow_run((run / "mlruns").as_uri())
     assert m.info.status == "FAILED" and m.data.tags["exit_code"] == str(exit_codes.INTERNAL)
     assert series == w["series"]
+    assert [exit_status(c) for c in (0, 1, 2, 3)] == ["success", "failed", "bad_input", "preempted"]
 
     quiet = tmp_path / "quiet"  # failed before its first event: the trackers still hear of it
     quiet.mkdir()
