@@ -14,6 +14,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from transformer.data.config import DataConfig, TokenizerConfig
+from transformer.training.trackers import LoggerConfig, check_logger
 
 # An absolute path: Hydra reads a relative config_path as a Python package, which fails outside the repository.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -144,6 +145,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     seed: int = 1234
     bench: BenchConfig = field(default_factory=BenchConfig)  # read by transformer-bench only
+    logger: LoggerConfig = field(default_factory=LoggerConfig)  # trackers: tensorboard, wandb, mlflow
 
 
 def register_configs() -> None:
@@ -254,6 +256,7 @@ def validate(cfg: DictConfig) -> None:
            "target uses)")
     check_checkpoint(cfg.checkpoint)
     check_eval(cfg.eval)
+    check_logger(cfg.logger)
 
 
 def eval_from_dict(saved: Optional[dict]) -> EvalConfig:

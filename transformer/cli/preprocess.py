@@ -19,10 +19,10 @@ USAGE = """usage: transformer-preprocess [GROUP=OPTION ...] [KEY=VALUE ...] prep
 Tokenises and binarises the train and valid splits of a corpus into DIR, in bounded memory and in parallel
 (the output is the same for any number of workers); then: transformer-train data.preprocessed=DIR ...
 
-groups:   data=multi30k|files|wmt14   tokenizer=spacy|bpe        (as for transformer-train)
+groups:   data=multi30k|files|wmt14   tokenizer=spacy|bpe|sentencepiece   (as for transformer-train)
 keys:     preprocess.out_dir (required), preprocess.workers (default: all CPUs), preprocess.chunk_size (10000
-          pairs), preprocess.overwrite (false), preprocess.progress (true), seed (draws the BPE sample),
-          tokenizer.train_sample (BPE: sentences the merges are learnt from, default 1000000), data.* as for
+          pairs), preprocess.overwrite (false), preprocess.progress (true), seed (draws the BPE/SentencePiece sample),
+          tokenizer.train_sample (BPE/SentencePiece: sentences learnt from, default 1000000), data.* as for
           transformer-train
 example:  transformer-preprocess data=wmt14 tokenizer=bpe tokenizer.vocab_size=37000 preprocess.out_dir=wmt14-bin
 exit:     0 done, 2 bad input (one `error:` line, nothing written), 130 interrupted"""

@@ -65,18 +65,28 @@ class DataConfig:
 @dataclass
 class TokenizerConfig:
     """Ids 0..3 are <pad> <unk> <s> </s> in every vocabulary (transformer/specials.py)."""
-    name: str = "spacy"  # spacy (word-level, one vocabulary per language) | bpe (one shared subword vocabulary)
+    # spacy (word-level, one vocabulary per language) | bpe (one shared subword vocabulary, HF tokenizers) |
+    # sentencepiece (one shared unigram or BPE vocabulary, transformer/data/spm.py)
+    name: str = "spacy"
     min_freq: int = 2  # spacy: words seen fewer times in train map to <unk>; bpe: least frequent merge kept
     max_vocab: Optional[int] = None  # spacy: keep at most this many words per language (specials included)
     lowercase: bool = False  # lowercase the text before tokenising and building the vocabulary
-    vocab_size: int = 10000  # bpe: shared source+target vocabulary size (specials included)
-    # bpe: learn the merges from at most this many training sentences (source and target lines count alike),
+    vocab_size: int = 10000  # bpe, sentencepiece: shared source+target vocabulary size (specials included)
+    # bpe, sentencepiece: learn from at most this many training sentences (source and target lines count alike),
     # drawn at random with `seed`; null = all. Encoding always covers the whole corpus.
     train_sample: Optional[int] = 1_000_000
     # bpe: full = the target side may use every type of the shared vocabulary; seen = only the types the
     # training targets use, numbered first (the output layer computes those logits only; a type seen only
     # in a held-out reference encodes as <unk> there). transformer/data/tokenizer.py seen_targets_first.
     tgt_vocab: str = "full"
+    # sentencepiece: an existing .model file instead of training one (its specials are renumbered to ids 0..3
+    # if they sit elsewhere); null = train on the training split (vocab_size, train_sample, seed, the keys below)
+    model_file: Optional[str] = None
+    model_type: str = "unigram"  # sentencepiece: unigram | bpe
+    character_coverage: float = 1.0  # sentencepiece: share of the training characters kept; rarer ones are <unk>
+    byte_fallback: bool = False  # sentencepiece: characters outside the vocabulary become UTF-8 byte pieces
+    # sentencepiece: training threads; the learnt model depends on this number (not on the machine)
+    train_threads: int = 4
 
 
 @dataclass
@@ -95,7 +105,7 @@ class PreprocessConfig:
     data: DataConfig = MISSING
     tokenizer: TokenizerConfig = MISSING
     preprocess: PreprocessOptions = field(default_factory=PreprocessOptions)
-    seed: int = 1234  # draws the BPE training sample (tokenizer.train_sample)
+    seed: int = 1234  # draws the BPE/SentencePiece training sample (tokenizer.train_sample)
 
 
 def register_preprocess_configs() -> None:

@@ -55,12 +55,24 @@ def bpe_chunk(state_file: str, n_ids: Optional[int], texts: Sequence[str]) -> Tu
     if key not in _LOADED:
         from tokenizers import Tokenizer
         _LOADED[key] = Tokenizer.from_file(state_file)
-    ids = [e.ids for e in _LOADED[key].encode_batch(list(texts), add_special_tokens=False)]
+    return _flat([e.ids for e in _LOADED[key].encode_batch(list(texts), add_special_tokens=False)], n_ids)
+
+
+def _flat(ids: List[List[int]], n_ids: Optional[int]) -> Tuple[np.ndarray, np.ndarray]:
     lengths = np.fromiter(map(len, ids), dtype=np.int32, count=len(ids))
     flat = np.fromiter(chain.from_iterable(ids), dtype=np.int32, count=int(lengths.sum()))
     if n_ids is not None:
         flat[flat >= n_ids] = UNK
     return flat, lengths
+
+
+def sentencepiece_chunk(model_file: str, n_ids: Optional[int], texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
+    """`bpe_chunk` under the SentencePiece model saved in `model_file`."""
+    key = ("sentencepiece", model_file)
+    if key not in _LOADED:
+        import sentencepiece
+        _LOADED[key] = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    return _flat(_LOADED[key].encode(list(texts), out_type=int), n_ids)
 
 
 def worker_init() -> None:
@@ -69,8 +81,9 @@ def worker_init() -> None:
 
 
 def encode_pair_chunk(src_spec: tuple, tgt_spec: tuple, src: Sequence[str], tgt: Sequence[str]):
-    """Both sides of a chunk of pairs; a spec is ("spacy", lang, lowercase) or ("bpe", state_file, n_ids)."""
+    """Both sides of a chunk of pairs; a spec is ("spacy", lang, lowercase), ("bpe", state_file, n_ids) or
+    ("sentencepiece", model_file, n_ids)."""
     return tuple(_KERNELS[spec[0]](*spec[1:], texts) for spec, texts in ((src_spec, src), (tgt_spec, tgt)))
 
 
-_KERNELS = {"spacy": spacy_chunk, "bpe": bpe_chunk}
+_KERNELS = {"spacy": spacy_chunk, "bpe": bpe_chunk, "sentencepiece": sentencepiece_chunk}

@@ -2,9 +2,9 @@
 memory bounded by the chunk size, never by the corpus.
 
 1. Both files of every split are read through once to check them (UTF-8, alignment) and count pairs.
-2. The tokenizer is learnt from the training split only. BPE (HF `tokenizers`) trains from a stream of at
-   most `tokenizer.train_sample` sentences drawn with `seed`; spaCy vocabularies are counted chunk by chunk
-   (transformer/data/vocab_stream.py), their provisional ids spilled to a scratch folder.
+2. The tokenizer is learnt from the training split only. BPE (HF `tokenizers`) and SentencePiece train from
+   a stream of at most `tokenizer.train_sample` sentences drawn with `seed`; spaCy vocabularies are counted
+   chunk by chunk (transformer/data/vocab_stream.py), their provisional ids spilled to a scratch folder.
 3. Chunks of `chunk_size` pairs are encoded by `workers` processes and written in input order, so the
    folder is byte-identical for any number of workers. Empty or over-long pairs are skipped (counted) or
    refused with their line number, as `data.bad_pairs` says.
@@ -152,19 +152,19 @@ class _Run:
                         stats["lines"])
 
     # ---- the tokenizer ---------------------------------------------------------------------------------
-    def train_bpe(self, n: int) -> BpeTokenizer:
-        """Merges learnt from the source then the target lines of the training split, or from a sample of
-        `tokenizer.train_sample` of those 2n lines drawn with `seed` (in file order)."""
+    def train_sample(self, n: int, what: str) -> Tuple[Iterator[List[str]], int]:
+        """(chunks of sentences, their number): the source then the target lines of the training split, or a
+        sample of `tokenizer.train_sample` of those 2n lines drawn with `seed` (in file order)."""
         total, k = 2 * n, self.t.train_sample
         sample = None
         if k is not None and k < total:
             sample = np.sort(np.random.default_rng(self.cfg.seed).choice(total, size=k, replace=False))
-        log.info("learning BPE merges (vocab_size=%d) from %d of the %d training sentences", self.t.vocab_size,
+        log.info("learning %s (vocab_size=%d) from %d of the %d training sentences", what, self.t.vocab_size,
                  total if sample is None else k, total)
 
         def sentences():
             base = 0
-            with self.bar(total, "BPE sample") as bar:
+            with self.bar(total, f"{self.t.name} sample") as bar:
                 for path in self.sources["train"]:
                     for lines in iter_lines(path, self.opts.chunk_size):
                         if sample is None:
@@ -175,8 +175,27 @@ class _Run:
                         base += len(lines)
                         bar.update(len(lines))
 
-        tok = BpeTokenizer.train(sentences(), self.t.vocab_size, max(self.t.min_freq, 0), self.t.lowercase,
-                                 self.d.src_lang, self.d.tgt_lang, length=total if sample is None else k)
+        return sentences(), total if sample is None else k
+
+    def train_bpe(self, n: int) -> BpeTokenizer:
+        """Merges learnt from the training sample (`train_sample`)."""
+        sentences, k = self.train_sample(n, "BPE merges")
+        tok = BpeTokenizer.train(sentences, self.t.vocab_size, max(self.t.min_freq, 0), self.t.lowercase,
+                                 self.d.src_lang, self.d.tgt_lang, length=k)
+        return self.seen_targets(tok, n)
+
+    def train_sentencepiece(self, n: int):
+        """A SentencePiece model from tokenizer.model_file, or learnt from the training sample."""
+        from transformer.data import spm
+        if self.t.model_file is not None:
+            tok = spm.build(self.t, self.d.src_lang, self.d.tgt_lang)
+        else:
+            sentences, _ = self.train_sample(n, f"a SentencePiece {self.t.model_type} model")
+            tok = spm.build(self.t, self.d.src_lang, self.d.tgt_lang, sentences, self.cfg.seed)
+        return self.seen_targets(tok, n)
+
+    def seen_targets(self, tok, n: int):
+        """`tok`, renumbered with the training targets' types first under tokenizer.tgt_vocab=seen."""
         if self.t.tgt_vocab != "seen":
             return tok
 
@@ -192,11 +211,14 @@ class _Run:
         if tokenizer is None or tokenizer.name == "spacy":
             lowercase = self.t.lowercase if tokenizer is None else tokenizer.lowercase
             return ("spacy", self.d.src_lang, lowercase), ("spacy", self.d.tgt_lang, lowercase)
-        path = self.staging.scratch / "bpe.json"
+        path = self.staging.scratch / ("spm.model" if tokenizer.name == "sentencepiece" else "bpe.json")
         if not path.exists():
             self.staging.scratch.mkdir(exist_ok=True)
-            tokenizer.tok.save(str(path))
-        return ("bpe", str(path), None), ("bpe", str(path), tokenizer.n_tgt)
+            if tokenizer.name == "sentencepiece":
+                path.write_bytes(tokenizer.proto)
+            else:
+                tokenizer.tok.save(str(path))
+        return (tokenizer.name, str(path), None), (tokenizer.name, str(path), tokenizer.n_tgt)
 
     # ---- encoding with a finished tokenizer ------------------------------------------------------------
     def encode(self, name: str, tokenizer, n: int, dtype) -> None:
@@ -295,6 +317,8 @@ def preprocess(cfg, sources: Dict[str, Tuple[Path, Path]], out_dir: Path, opts: 
             tokenizer = tokenizer_from_state(tokenizer_state)
         elif cfg.tokenizer.name == "bpe":
             tokenizer = run.train_bpe(counts["train"])
+        elif cfg.tokenizer.name == "sentencepiece":
+            tokenizer = run.train_sentencepiece(counts["train"])
         else:
             tokenizer = run.spacy_train(counts["train"])
         log.info("tokenizer %s ready (%.1f s)", cfg.tokenizer.name if tokenizer_state is None else "given",

@@ -1,4 +1,5 @@
-"""Tokenizers: word-level spaCy vocabularies (the Annotated Transformer's setup) and shared BPE (the paper's).
+"""Tokenizers: word-level spaCy vocabularies (the Annotated Transformer's setup) and shared BPE (the paper's);
+shared SentencePiece lives in transformer/data/spm.py.
 
 Every vocabulary starts with the specials <pad> <unk> <s> </s> at ids 0, 1, 2, 3 (transformer/specials.py).
 Encoders add no specials: the collate function appends </s> to the source and frames the target.
@@ -297,13 +298,18 @@ class BpeTokenizer:
         write_text_atomic(folder / "vocab.txt", "\n".join(itos) + "\n")
 
 
-def train_tokenizer(cfg_tok, src_lang: str, tgt_lang: str, src_texts: Sequence[str], tgt_texts: Sequence[str]):
+def train_tokenizer(cfg_tok, src_lang: str, tgt_lang: str, src_texts: Sequence[str], tgt_texts: Sequence[str],
+                    seed: int = 0):
     """Trains the tokenizer `cfg_tok` (the `tokenizer` config group) on the training split only, held in
     memory (preprocessing streams instead: transformer/data/preprocess.py)."""
     check_tokenizer_config(cfg_tok)
     if cfg_tok.name == "spacy":
         return SpacyTokenizer.train(src_texts, tgt_texts, src_lang, tgt_lang, cfg_tok.min_freq, cfg_tok.max_vocab,
                                     cfg_tok.lowercase)
+    if cfg_tok.name == "sentencepiece":
+        from transformer.data import spm
+        tok = spm.build(cfg_tok, src_lang, tgt_lang, [list(src_texts), list(tgt_texts)], seed)
+        return tok.seen_targets_first([tgt_texts]) if cfg_tok.tgt_vocab == "seen" else tok
     tok = BpeTokenizer.train(list(src_texts) + list(tgt_texts), cfg_tok.vocab_size, max(cfg_tok.min_freq, 0),
                              cfg_tok.lowercase, src_lang, tgt_lang)
     return tok.seen_targets_first([tgt_texts]) if cfg_tok.tgt_vocab == "seen" else tok
@@ -311,15 +317,19 @@ def train_tokenizer(cfg_tok, src_lang: str, tgt_lang: str, src_texts: Sequence[s
 
 def check_tokenizer_config(cfg_tok) -> None:
     """Values of the `tokenizer` group a type cannot rule out; the error names the key."""
-    if cfg_tok.name not in ("spacy", "bpe"):
-        raise ValueError(f"tokenizer.name={cfg_tok.name!r}: must be spacy or bpe")
+    if cfg_tok.name not in ("spacy", "bpe", "sentencepiece"):
+        raise ValueError(f"tokenizer.name={cfg_tok.name!r}: must be spacy, bpe or sentencepiece")
     if cfg_tok.name == "spacy" and cfg_tok.min_freq < 1:
         raise ValueError(f"tokenizer.min_freq={cfg_tok.min_freq}: must be >= 1")
     if cfg_tok.tgt_vocab not in ("full", "seen"):
         raise ValueError(f"tokenizer.tgt_vocab={cfg_tok.tgt_vocab!r}: must be full or seen")
-    if cfg_tok.tgt_vocab == "seen" and cfg_tok.name != "bpe":
-        raise ValueError("tokenizer.tgt_vocab=seen: needs tokenizer=bpe (spaCy's target vocabulary is its own)")
-    if cfg_tok.name == "bpe" and cfg_tok.vocab_size <= len(SPECIALS):
+    if cfg_tok.tgt_vocab == "seen" and cfg_tok.name == "spacy":
+        raise ValueError("tokenizer.tgt_vocab=seen: needs tokenizer=bpe or sentencepiece (spaCy's target "
+                         "vocabulary is its own)")
+    if cfg_tok.name == "sentencepiece":
+        from transformer.data.spm import check_config
+        check_config(cfg_tok)
+    if cfg_tok.name != "spacy" and cfg_tok.vocab_size <= len(SPECIALS):
         raise ValueError(f"tokenizer.vocab_size={cfg_tok.vocab_size}: must exceed the {len(SPECIALS)} specials")
     if cfg_tok.train_sample is not None and cfg_tok.train_sample < 1:
         raise ValueError(f"tokenizer.train_sample={cfg_tok.train_sample}: must be >= 1 or null (all sentences)")
@@ -332,10 +342,13 @@ def tokenizer_from_state(state: dict):
         return SpacyTokenizer.from_state(state)
     if name == "bpe":
         return BpeTokenizer.from_state(state)
+    if name == "sentencepiece":
+        from transformer.data.spm import SentencePieceTokenizer
+        return SentencePieceTokenizer.from_state(state)
     if name == "copy":
         from transformer.data.copy import CopyTokenizer
         return CopyTokenizer(int(state["vocab_size"]))
-    raise ValueError(f"unknown tokenizer state name={name!r}: expected spacy, bpe or copy")
+    raise ValueError(f"unknown tokenizer state name={name!r}: expected spacy, bpe, sentencepiece or copy")
 
 
 def encode_sources(tokenizer, texts: Sequence[str]) -> List[List[int]]:

@@ -73,6 +73,9 @@ def _key_parts(cfg, identities: Dict[str, List[str]]) -> dict:
     if t.name == "spacy":
         tok = {"name": "spacy", "min_freq": t.min_freq, "max_vocab": t.max_vocab, "lowercase": t.lowercase,
                "lib": metadata.version("spacy")}
+    elif t.name == "sentencepiece":
+        from transformer.data.spm import cache_key_parts
+        tok = cache_key_parts(t, cfg.seed)
     else:
         tok = {"name": t.name, "vocab_size": t.vocab_size, "min_freq": t.min_freq, "lowercase": t.lowercase,
                "train_sample": t.train_sample, "seed": cfg.seed, "lib": metadata.version("tokenizers")}

@@ -80,8 +80,12 @@ def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[D
     log.info("%d worker(s) on %s, %d CPU thread(s) each, %s | model %.2fM parameters | run dir %s", env.world_size,
              env.device, threads, speedups.compute_type(trainer.amp_dtype, env.device),
              sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
-    code = trainer.train()
-    trainer.close()
+    try:
+        code = trainer.train()
+    except BaseException as e:  # the experiment trackers record the failure too
+        trainer.metrics.close(exit_codes.USER_ERROR if isinstance(e, USER_INPUT_ERRORS) else exit_codes.INTERNAL)
+        raise
+    trainer.close(code)
     return code
 
 

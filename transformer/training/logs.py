@@ -77,14 +77,18 @@ def gpu_stats(device: torch.device) -> dict:
 
 
 class MetricsLogger:
-    """Rank 0 writes every event to metrics.jsonl (one JSON object a line) and TensorBoard; others do nothing."""
+    """Rank 0 writes every event to metrics.jsonl (one JSON object a line) and to the trackers of
+    `cfg.logger.trackers` (TensorBoard by default; wandb, mlflow: transformer/training/trackers.py); others do
+    nothing. `close(code)` records how the run ended in the trackers."""
 
-    def __init__(self, run_dir: Path | None, tensorboard: bool = True):
+    def __init__(self, run_dir: Path | None, cfg=None):
         self.run_dir = Path(run_dir) if run_dir is not None else None
         self.file = None
         self.writer = None
+        self.trackers = None  # wandb/mlflow, once opened
         self.start = time.time()
-        self.tensorboard = tensorboard
+        self.cfg = cfg
+        self.tensorboard = cfg is None or "tensorboard" in cfg.logger.trackers
 
     def _open(self) -> None:
         """On the first event, so a run that fails while starting leaves no empty metrics files."""
@@ -94,6 +98,15 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
+        self._open_trackers()
+
+    def _open_trackers(self) -> None:
+        if self.trackers is None and self.cfg is not None and self.run_dir is not None:
+            from transformer.config import to_container
+            from transformer.training.trackers import open_trackers
+
+            self.trackers = []  # a tracker that fails to start is not retried at every event
+            self.trackers = open_trackers(self.cfg.logger, self.run_dir, to_container(self.cfg))
 
     @rank_zero
     def log(self, split: str, step: int, epoch: int, **values) -> None:
@@ -110,11 +123,26 @@ class MetricsLogger:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):
                     self.writer.add_scalar(f"{split}/{k}", v, step)
+        if self.trackers:
+            from transformer.training.trackers import numeric
+
+            for tracker in self.trackers:
+                tracker.log(split, step, numeric(values))
         shown = " ".join(f"{k}={_fmt(v)}" for k, v in values.items())
         log.info("%s step %d epoch %d | %s", split, step, epoch, shown)
 
     @rank_zero
-    def close(self) -> None:
+    def close(self, code: int = 0) -> None:
+        """`code`: the run's exit code (transformer/exit_codes.py). A run that fails before its first event
+        still gets a tracker run saying so (only trackers: no empty metrics.jsonl)."""
+        if code and self.trackers is None and self.run_dir is not None and self.run_dir.is_dir():
+            self._open_trackers()
+        if self.trackers:
+            from transformer.training.trackers import close_quietly
+
+            for tracker in self.trackers:
+                close_quietly(tracker, code)
+        self.trackers = None
         if self.file is not None:
             self.file.close()
             self.file = None

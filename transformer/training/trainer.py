@@ -71,7 +71,7 @@ class Trainer:
         self._batch_counts = {}  # token budget -> batches of one epoch (_batches_of)
         self.ema = EMA(self.model, self.tcfg.ema_decay) if self.tcfg.ema_decay > 0 else None
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
-        self.metrics = MetricsLogger(run_dir)
+        self.metrics = MetricsLogger(run_dir, cfg)
         self.validator = Validator(task, data, env, self.metrics, metric=self.metric,
                                    label_smoothing=self.tcfg.label_smoothing, patience=cfg.eval.patience,
                                    autocast=parallel.autocast, clock=self.clock, quality=self.quality)
@@ -382,6 +382,7 @@ class Trainer:
             path = self.checkpointer.save(state, self.step, is_best)
             log.info("checkpoint %s%s", path, " (best)" if is_best else "")
 
-    def close(self) -> None:
-        self.metrics.close()
+    def close(self, code: int = 0) -> None:
+        """`code`: how the run ended (transformer/exit_codes.py), for the experiment trackers."""
+        self.metrics.close(code)
         self.data.close()
