@@ -18,12 +18,12 @@ from transformer.training.validation import Validator
 
 
 def build(tmp_path, *overrides):
-    cfg = compose_cfg(*SMALL, *overrides)
+    cfg = compose_cfg(*SMALL, "logger.trackers=[]", *overrides)  # metrics.jsonl only
     data = CopyData(cfg, cfg.seed, 0, 1)
     torch.manual_seed(0)
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
     task = build_task(cfg)
-    metrics = MetricsLogger(tmp_path, tensorboard=False)
+    metrics = MetricsLogger(tmp_path, cfg)
     validator = Validator(task, data, DistEnv(), metrics, metric=task.metric("val_loss"), label_smoothing=0.1,
                           patience=2, clock=RunClock(), quality=TimeToQuality(task.metrics().values()))
     return model, validator, metrics

@@ -5,6 +5,7 @@ experiment). A typo or a wrong type in an override fails at composition with the
 ``Key 'lrr' not in 'OptimConfig'``; the `check_*` functions beside the schemas add the checks a type
 cannot express, and `validate()` runs them all.
 """
+import importlib.util
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,7 +15,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from transformer.data.config import DataConfig, TokenizerConfig
-from transformer.training.trackers import LoggerConfig, check_logger
 
 # An absolute path: Hydra reads a relative config_path as a Python package, which fails outside the repository.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -130,6 +130,58 @@ class BenchConfig:
     peak_tflops: Optional[float] = None  # the accelerator's peak for MFU; None: from the table of known GPUs
     profile: bool = False  # also print the top operators of a few profiled steps (torch.profiler)
     out: Optional[str] = None  # also append the JSON line to this file
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+# tracker -> (module that must be importable, pip extra that installs it)
+LIBRARIES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    """logger.trackers=[...,wandb]: Weights & Biases (the `wandb` extra)."""
+    project: str = "transformer"  # the W&B project the run is logged to
+    entity: Optional[str] = None  # team or user; None: the account's default
+    mode: Optional[str] = None  # online | offline | disabled; None: $WANDB_MODE, else online (needs a login)
+    name: Optional[str] = None  # the run's display name; None: the run directory's name
+    group: Optional[str] = None  # W&B run group (e.g. one sweep); None: none
+    tags: List[str] = field(default_factory=list)  # W&B tags of the run
+
+
+@dataclass
+class MlflowConfig:
+    """logger.trackers=[...,mlflow]: MLflow (the `mlflow` extra, mlflow-skinny)."""
+    # None: $MLFLOW_TRACKING_URI, else file:<run_dir>/mlruns (a local file store)
+    tracking_uri: Optional[str] = None
+    experiment: str = "transformer"  # the MLflow experiment the run belongs to
+    run_name: Optional[str] = None  # None: the run directory's name
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.jsonl and the console (transformer/training/trackers.py)."""
+    trackers: List[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, wandb, mlflow
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+
+def check_logger(cfg_logger) -> None:
+    """Names, duplicates, values, and that each chosen tracker's library imports; the error names the key."""
+    chosen = list(cfg_logger.trackers)
+    for name in chosen:
+        if name not in TRACKERS:
+            raise ConfigError(f"logger.trackers={chosen}: {name!r} is not one of {', '.join(TRACKERS)}")
+    if len(set(chosen)) != len(chosen):
+        raise ConfigError(f"logger.trackers={chosen}: a tracker is listed twice")
+    for name in chosen:
+        module, extra = LIBRARIES.get(name, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"logger.trackers={chosen}: {name} needs the {module} package, which is not installed: "
+                              f"pip install 'transformer[{extra}]' (from a clone: pip install -e '.[{extra}]')")
+    mode = cfg_logger.wandb.mode
+    if mode is not None and mode not in WANDB_MODES:
+        raise ConfigError(f"logger.wandb.mode={mode!r}: must be {', '.join(WANDB_MODES)} or null")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Experiment trackers beside metrics.jsonl: TensorBoard (the default), Weights & Biases and MLflow, chosen by
 `logger.trackers`. Only global rank 0 ever creates one (transformer/training/logs.py's MetricsLogger).
 
-wandb and mlflow are optional extras (`pip install 'transformer[wandb]'`, `'.[mlflow]'`): `check_logger` refuses
+wandb and mlflow are optional extras (`pip install 'transformer[wandb]'`, `'.[mlflow]'`): `transformer.config.check_logger` refuses
 a tracker whose library is missing before the run directory is made. A tracker run starts at the run's first
 event (or at its end, to record a failure) with the whole resolved config, receives every numeric, finite
 value of every event as `<split>/<name>` at the event's step (what TensorBoard gets), and at the end records
@@ -9,70 +9,19 @@ the exit code (transformer/exit_codes.py) and its status name. The tracker run i
 <run_dir>/trackers.json: a later launch into the same run directory (a resume after preemption) continues
 the same tracker runs, as it continues metrics.jsonl.
 """
-import importlib.util
 import json
 import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from transformer import exit_codes
 from transformer.atomic import write_text_atomic
 
 log = logging.getLogger("transformer")
-TRACKERS = ("tensorboard", "wandb", "mlflow")
-# tracker -> (module that must be importable, pip extra that installs it)
-LIBRARIES = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
-WANDB_MODES = ("online", "offline", "disabled")
 IDS_FILE = "trackers.json"  # {tracker: run id} of the run directory
-
-
-@dataclass
-class WandbConfig:
-    project: str = "transformer"
-    entity: Optional[str] = None  # team or user; None: the account's default
-    mode: Optional[str] = None  # online | offline | disabled; None: $WANDB_MODE, else online (needs a login)
-    name: Optional[str] = None  # the run's display name; None: the run directory's name
-    group: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
-
-
-@dataclass
-class MlflowConfig:
-    # None: $MLFLOW_TRACKING_URI, else file:<run_dir>/mlruns (a local file store)
-    tracking_uri: Optional[str] = None
-    experiment: str = "transformer"
-    run_name: Optional[str] = None  # None: the run directory's name
-
-
-@dataclass
-class LoggerConfig:
-    """Where metrics go besides metrics.jsonl and the console (transformer/training/trackers.py)."""
-    trackers: List[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, wandb, mlflow
-    wandb: WandbConfig = field(default_factory=WandbConfig)
-    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
-
-
-def check_logger(cfg_logger) -> None:
-    """Names, duplicates, values, and that each chosen tracker's library imports; the error names the key."""
-    from transformer.config import ConfigError
-    chosen = list(cfg_logger.trackers)
-    for name in chosen:
-        if name not in TRACKERS:
-            raise ConfigError(f"logger.trackers={chosen}: {name!r} is not one of {', '.join(TRACKERS)}")
-    if len(set(chosen)) != len(chosen):
-        raise ConfigError(f"logger.trackers={chosen}: a tracker is listed twice")
-    for name in chosen:
-        module, extra = LIBRARIES.get(name, (None, None))
-        if module is not None and importlib.util.find_spec(module) is None:
-            raise ConfigError(f"logger.trackers={chosen}: {name} needs the {module} package, which is not installed: "
-                              f"pip install 'transformer[{extra}]' (from a clone: pip install -e '.[{extra}]')")
-    mode = cfg_logger.wandb.mode
-    if mode is not None and mode not in WANDB_MODES:
-        raise ConfigError(f"logger.wandb.mode={mode!r}: must be {', '.join(WANDB_MODES)} or null")
 
 
 def exit_status(code: int) -> str:
