@@ -69,6 +69,36 @@ def test_the_validator_scores_the_weight_average_when_given_one(tmp_path):
     metrics.close()
 
 
+def test_the_end_of_run_average_is_scored_as_it_is_not_with_the_live_ema(tmp_path):
+    """checkpoint.average_last with trainer.ema_decay: the average file already holds the checkpoints' weight
+    averages (model_weights), so its validation scores it, not the run's live EMA swapped in over it."""
+    from transformer.training.checkpoint import FORMAT, Checkpointer, atomic_save, load_checkpoint
+    from transformer.training.run_end import average_last
+
+    model, validator, metrics = build(tmp_path)
+    ema = EMA(model, 0.5)
+    checkpointer = Checkpointer(tmp_path, keep_last=5)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05)
+        ema.update()
+        if step == 3:
+            break  # a step after the last checkpoint: the live average is neither checkpoint's
+        state = {"format": FORMAT, "model_args": model.args.to_dict(), "model": model.state_dict(),
+                 "ema": ema.state_dict(),
+                 "tokenizer": validator.data.tokenizer.state_dict(), "trainer": {"step": step, "epoch": 0}}
+        atomic_save(state, checkpointer.folder / f"step_{step:08d}.pt")
+    average_last(model, validator, 2, env=DistEnv(), checkpointer=checkpointer, run_dir=tmp_path, metrics=metrics,
+                 step=2, epoch=0)
+    metrics.close()
+    averaged = load_checkpoint(checkpointer.folder / "average_last2.pt")["model"]
+    model.load_state_dict(averaged)
+    logged = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())
+              if r["split"] == "average"]
+    assert logged[0]["val_loss"] == validator.scores(model)["val_loss"] != validator.scores(model, ema)["val_loss"]
+
+
 def test_parallelize_wraps_nothing_on_one_cpu_worker_and_keeps_parameter_names(tmp_path):
     cfg = compose_cfg(*SMALL, "trainer.activation_checkpointing=true", "trainer.precision=fp16")
     model = Transformer.from_config(cfg.model, 16, 16)

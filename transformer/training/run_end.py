@@ -11,7 +11,6 @@ from transformer.config import to_container
 from transformer.dist import DistEnv, rank_zero
 from transformer.tasks import Task
 from transformer.training.checkpoint import Checkpointer, atomic_link, atomic_save, load_checkpoint, model_weights
-from transformer.training.ema import EMA
 from transformer.training.logs import MetricsLogger
 from transformer.training.quality import RunClock
 from transformer.training.validation import Validator
@@ -21,7 +20,7 @@ log = logging.getLogger(__name__)
 
 def end_of_run(model: torch.nn.Module, validator: Validator, *, cfg, env: DistEnv, task: Task, data,
                checkpointer: Optional[Checkpointer], metrics: MetricsLogger, run_dir: Optional[Path], step: int,
-               epoch: int, clock: RunClock, ema: Optional[EMA] = None) -> None:
+               epoch: int, clock: RunClock) -> None:
     """What follows the last training step of a run that ended normally; collective.
 
     checkpoint.average_last (see `average_last`), then the task's final scores (the copy task: accuracy on
@@ -40,10 +39,9 @@ def end_of_run(model: torch.nn.Module, validator: Validator, *, cfg, env: DistEn
         run_dir: the run directory (None on ranks other than 0).
         step, epoch: where training ended, for the records.
         clock: the run's clock, for the summary.
-        ema: the weight average, scored in the average's validation as in every validation.
     """
     average_last(model, validator, cfg.checkpoint.average_last, env=env, checkpointer=checkpointer,
-                 run_dir=run_dir, metrics=metrics, step=step, epoch=epoch, ema=ema)
+                 run_dir=run_dir, metrics=metrics, step=step, epoch=epoch)
     best = checkpointer.folder / "best.pt" if checkpointer is not None else None
     path = env.broadcast_object(str(best) if best is not None and best.is_file() else None)
     if path is not None:
@@ -59,17 +57,19 @@ def end_of_run(model: torch.nn.Module, validator: Validator, *, cfg, env: DistEn
 
 def average_last(model: torch.nn.Module, validator: Validator, K: int, *, env: DistEnv,
                  checkpointer: Optional[Checkpointer], run_dir: Optional[Path], metrics: MetricsLogger, step: int,
-                 epoch: int, ema: Optional[EMA] = None) -> None:
+                 epoch: int) -> None:
     """checkpoint.average_last=K: the average of the last K checkpoints (as `transformer-average RUN --last
     K` writes it) is saved as checkpoints/average_lastK.pt and scored on validation; if it beats the best
-    checkpoint on checkpoint.best_metric, best.pt becomes it. `model` holds the average afterwards. Collective."""
+    checkpoint on checkpoint.best_metric, best.pt becomes it. `model` holds the average afterwards. Collective.
+    With trainer.ema_decay the checkpoints' weight averages are what is averaged (`model_weights`), so the
+    average is scored as it is: the run's live EMA is not swapped in over it."""
     if K < 2:
         return
     path = env.broadcast_object(_write_average(checkpointer, run_dir, K))
     if path is None:
         return
     model.load_state_dict(load_checkpoint(path)["model"])
-    values = validator.scores(model, ema)
+    values = validator.scores(model)
     metrics.log("average", step, epoch, **values, checkpoints=K)
     name = validator.metric.name
     if validator.better(values[name]):

@@ -153,7 +153,7 @@ class Trainer:
         if code == 0:
             end_of_run(self.model, self.validator, cfg=self.cfg, env=self.env, task=self.task, data=self.data,
                        checkpointer=self.checkpointer, metrics=self.metrics, run_dir=self.run_dir, step=self.step,
-                       epoch=self.epoch, clock=self.clock, ema=self.ema)
+                       epoch=self.epoch, clock=self.clock)
         return code
 
     def _total_steps(self) -> Optional[int]:
