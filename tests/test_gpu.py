@@ -168,7 +168,8 @@ def test_translate_on_gpu_equals_cpu_greedy(tmp_path):
 
 def test_bench_reports_mfu_on_gpu(tmp_path):
     res = subprocess.run([sys.executable, "-m", "transformer.cli.bench", "model=tiny", "bench.synthetic=true",
-                          "bench.warmup=3", "bench.steps=10", "trainer.progress=false", *GPU], cwd=tmp_path,
+                          "bench.warmup=3", "bench.steps=10", "bench.repeats=2", "bench.profile_steps=2",
+                          "trainer.progress=false", *GPU], cwd=tmp_path,
                          env=cli_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
@@ -176,7 +177,10 @@ def test_bench_reports_mfu_on_gpu(tmp_path):
     assert r["compute"] == ("bf16" if native_bf16_tf32(CUDA) else "fp32")
     assert r["forward_backward_ms"] > 0 and r["tgt_tokens_per_s"] > 0
     if r["peak_tflops"] is not None:
-        assert 0 < r["mfu"] < 1
+        assert 0 < r["mfu"] <= r["mfu_computed"] < 1
+    # Batches come from the training default of 2 loader workers; the profile window saw kernels on the device.
+    assert r["loader_workers"] == 2 and 0 < r["busy"] <= 1
+    assert r["top_ops_kind"] == "kernels_self_device" and 1 <= len(r["top_ops"]) <= 15
 
 
 def test_auto_precision_is_bf16_where_supported():

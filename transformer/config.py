@@ -116,7 +116,8 @@ class EvalConfig:
 class BenchConfig:
     """transformer-bench (transformer/training/bench.py): warm-up, then timed optimiser steps of the training config."""
     warmup: int = 5  # untimed steps first (allocator, kernels, torch.compile)
-    steps: int = 20  # timed optimiser steps
+    steps: Optional[int] = None  # timed optimiser steps per repeat; None: 100 on a GPU, 20 on a CPU
+    repeats: int = 3  # timed windows of `steps` each, back to back: their spread (median, min, max) is reported
     synthetic: bool = False  # random batches instead of data.*: lengths below, vocabulary vocab_size
     sentences: int = 20000  # synthetic corpus size (batched by data.max_tokens like real data)
     vocab_size: int = 32000  # synthetic source and target vocabulary (the generator's cost grows with it)
@@ -125,7 +126,9 @@ class BenchConfig:
     min_len: int = 2
     max_len: int = 128
     peak_tflops: Optional[float] = None  # the accelerator's peak for MFU; None: from the table of known GPUs
-    profile: bool = False  # also print the top operators of a few profiled steps (torch.profiler)
+    profile: bool = True  # profile a few more steps (torch.profiler): device busy fraction and the top operators
+    profile_steps: int = 5  # steps in the profile window
+    top: int = 15  # operators listed: kernels by self device time on a GPU, ops by self CPU time on a CPU
     out: Optional[str] = None  # also append the JSON line to this file
 
 

@@ -8,6 +8,14 @@ from transformer.data.batch import Batch, PairDataset, collate
 from transformer.data.sampler import TokenBatchSampler
 
 
+def loader_workers(num_workers: Optional[int], device: torch.device) -> int:
+    """data.num_workers, or its default: 2 on a GPU (batches are collated while the GPU computes), 0 on a CPU
+    (where collation would take cores from the step)."""
+    if num_workers is not None:
+        return num_workers
+    return 2 if device.type == "cuda" else 0
+
+
 class DataModule:
     """Train/valid splits as `PairDataset`s plus the tokenizer that made them.
 
