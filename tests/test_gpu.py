@@ -4,7 +4,6 @@ exact resume in deterministic mode, and translation equal on GPU and CPU."""
 import json
 import subprocess
 import sys
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +17,7 @@ from transformer.dist import DistEnv
 from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training.hotpath import LaggedFlag, TrainWindow
+from transformer.training.profiling import host_syncs
 from transformer.training.speedups import native_bf16_tf32
 from transformer.training.trainer import Trainer, autocast_dtype
 
@@ -49,20 +49,6 @@ def loss_curve(t, bs, accumulate=1):
     window, flag = TrainWindow(), LaggedFlag()
     results = [t._train_step(bs[i:i + accumulate], window, flag)[0] for i in range(0, len(bs), accumulate)]
     return np.array([(r.loss / r.tokens).item() for r in results])
-
-
-def host_syncs(fn) -> list:
-    """Messages of the synchronising CUDA calls `fn` makes (torch.cuda.set_sync_debug_mode)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # torch >= 2.11 also warns, once per process, that the debug mode itself is a prototype: not a sync.
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message) and "prototype" not in str(w.message)]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])

@@ -131,9 +131,10 @@ class Totals:
             self.slots += B * T
 
 
-def run_steps(trainer, batches, n: int, progress: Progress, totals: Optional[Totals] = None) -> None:
+def run_steps(trainer, batches, n: int, progress: Progress, totals: Optional[Totals] = None,
+              flag: Optional[LaggedFlag] = None) -> None:
     K = trainer.tcfg.accumulate
-    window, flag = TrainWindow(), LaggedFlag()
+    window, flag = TrainWindow(), flag if flag is not None else LaggedFlag()
     for _ in range(n):
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(K)]
@@ -166,10 +167,11 @@ def measure(trainer, b) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     trainer.timer = timer = StepTimer(device)
     windows = []  # (wall seconds, Totals) of each repeat
+    flag = LaggedFlag()  # the trainer's: its waits are the host syncs of the stop flag
     for _ in range(b.repeats):
         totals = Totals(trainer.model.args, trainer.pad_multiple)
         t0 = time.perf_counter()
-        run_steps(trainer, batches, steps, progress, totals)
+        run_steps(trainer, batches, steps, progress, totals, flag)
         _sync(device)
         windows.append((time.perf_counter() - t0, totals))
     trainer.timer = None
@@ -180,7 +182,8 @@ def measure(trainer, b) -> dict:
     if b.profile:
         prof = profile_window(lambda n: run_steps(trainer, batches, n, Progress(None, 0, False)),
                               lambda: _sync(device), device, b.profile_steps, b.top)
-    return {"steps": steps, "windows": windows, "warmup_s": warmup_s, "phases": phases, "profile": prof,
+    return {"steps": steps, "windows": windows, "flag_waits": flag.waits, "warmup_s": warmup_s, "phases": phases,
+            "profile": prof,
             "graphs": graphs if trainer.tcfg.compile else None,
             "graphs_during_timed": (graphs - graphs_warm) if trainer.tcfg.compile and graphs is not None else None,
             "peak_mem_gb": peak_memory_gb(device)}
@@ -250,6 +253,9 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "mfu": achieved / (peak * 1e12) if peak else None,
         "mfu_computed": achieved_run / (peak * 1e12) if peak else None,
         "mfu_spread": _spread(mfu_window) if mfu_window else None,
+        "flag_waits_per_step": m["flag_waits"] / total_steps,
+        "host_syncs_per_step": prof["host_syncs"] / prof["steps"] if prof and prof["host_syncs"] is not None
+        else None,
         "busy": prof["busy"] if prof else None, "profile_steps": prof["steps"] if prof else None,
         "top_ops": prof["top"] if prof else None, "top_ops_kind": (
             ("kernels_self_device" if env.device.type == "cuda" else "ops_self_cpu") if prof else None),
@@ -308,6 +314,9 @@ def table(r: dict) -> str:
         ("achieved", f"{r['achieved_tflops']:.4g} TFLOP/s on real tokens (per worker)"),
         ("MFU", mfu),
     ]
+    rows.append(("host syncs / step", f"{r['flag_waits_per_step']:.2f} stop-flag event waits; " + (
+        f"{r['host_syncs_per_step']:.2f} synchronising calls (sync debug mode, profile window)"
+        if r["host_syncs_per_step"] is not None else "synchronising calls: n/a (GPU only)")))
     if r["top_ops"] is not None:
         rows.append(("device busy", f"{100 * r['busy']:.1f}% of the profile window ({r['profile_steps']} steps)"
                      if r["busy"] is not None else f"n/a on CPU ({r['profile_steps']} steps profiled)"))

@@ -34,6 +34,23 @@ def busy_fraction(intervals: Iterable[Tuple[float, float]], window: Optional[Tup
     return busy / (hi - lo)
 
 
+def host_syncs(fn: Callable[[], None]) -> List[str]:
+    """Messages of the synchronising CUDA calls `fn` makes (torch.cuda.set_sync_debug_mode: GPU only; CUDA event
+    waits are not among them, LaggedFlag counts its own)."""
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    # torch >= 2.11 also warns, once per process, that the debug mode itself is a prototype: not a sync.
+    return [str(w.message) for w in caught if "synchroniz" in str(w.message) and "prototype" not in str(w.message)]
+
+
 def top_operators(averages, device: bool, rows: int, steps: int) -> List[Dict]:
     """[{name, calls, self_ms (per step), share}] of the `rows` operators (kernels when `device`) with the most
     self time; `share` is the fraction of all self time of that kind in the window."""
@@ -55,10 +72,14 @@ def profile_window(run: Callable[[int], None], sync: Callable[[], None], device:
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    syncs = []
     with profile(activities=activities) as prof:
         sync()
         t0 = time.perf_counter()
-        run(steps)
+        if cuda:
+            syncs = host_syncs(lambda: run(steps))
+        else:
+            run(steps)
         sync()
         wall = time.perf_counter() - t0
     busy = None
@@ -70,7 +91,7 @@ def profile_window(run: Callable[[int], None], sync: Callable[[], None], device:
         busy = busy_fraction(spans, window)
     averages = prof.key_averages()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    return {"steps": steps, "wall_ms": 1e3 * wall / steps, "busy": busy,
+    return {"steps": steps, "wall_ms": 1e3 * wall / steps, "busy": busy, "host_syncs": len(syncs) if cuda else None,
             "top": top_operators(averages, cuda, rows, steps),
             "table": averages.table(sort_by=key, row_limit=rows)}
 
