@@ -81,6 +81,7 @@ class TrainerConfig:
     activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory
     ddp_bucket_mb: int = 25  # DDP gradient bucket size
     ddp_static_graph: bool = False  # DDP static_graph=True (the same parameters get gradients every step)
+    loss: str = "fused"  # fused (chunked, one fp32 chunk per pass, gradient written into the logits) | reference
 
 
 @dataclass
@@ -189,6 +190,7 @@ def check_trainer(t) -> None:
     _check(t.devices == "auto" or (t.devices.isdigit() and int(t.devices) > 0), "trainer.devices", t.devices,
            "must be auto or a positive number")
     _check(t.accelerator in ("auto", "cpu", "gpu"), "trainer.accelerator", t.accelerator, "must be auto, cpu or gpu")
+    _check(t.loss in ("fused", "reference"), "trainer.loss", t.loss, "must be one of fused, reference")
     _check(t.precision in ("auto", "fp32", "bf16", "fp16"), "trainer.precision", t.precision,
            "must be auto, fp32, bf16 or fp16")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")

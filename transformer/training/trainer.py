@@ -320,7 +320,8 @@ class Trainer(Validation, RunEnd):
             with sync:
                 with self.autocast():
                     logits = self.net(batch.src, batch.tgt_in)  # (B, T, V)
-                loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD)
+                loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD,
+                                                         impl=self.tcfg.loss, inplace=True)
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
             nll_sum += nll.detach()
