@@ -209,3 +209,51 @@ def test_bench_gpu_skips_decoding_without_spacy_and_says_how(tmp_path, monkeypat
     bench_gpu.run_decode(out, None)
     assert "--decode-checkpoint" in capsys.readouterr().out
     assert json.loads(out.read_text()) == {"kind": "decode", "skipped": "spacy not importable"}
+
+
+def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks():
+    """The prepared GPU script's table: every workload eager (the recipes' micro-batches, 16k, big at 32k),
+    each switch set at 16k and the recipe sizes; a set naming a key the config lacks (a switch still on
+    another branch) is skipped and said so; a dry run skips compilation."""
+    import argparse
+
+    bench_gpu = load_benchmark("bench_gpu")
+    keys = bench_gpu.config_keys()
+    assert {"trainer.loss", "trainer.compile", "data.max_tokens", "bench.profile"} <= keys
+    args = argparse.Namespace(switch=["wishful=model.no_such_switch=true", "small_batches=data.max_tokens=8000"],
+                              only=None, dry_run=False)
+    todo, skipped = bench_gpu.plan(args, keys)
+    runs = {(w, s) for w, s, _ in todo}
+    assert {(w, "eager") for w in ("multi30k", "base@recipe", "base@16k", "big@recipe", "big@16k", "big@32k")} <= runs
+    assert {("big@16k", "compile"), ("base@recipe", "loss=reference"), ("big@16k", "small_batches")} <= runs
+    assert {(s["workload"], s["switches"]) for s in skipped} == {("big@16k", "wishful"), ("base@16k", "wishful")}
+    assert "model.no_such_switch" in skipped[0]["why"]
+    overrides = dict((w, o) for w, s, o in todo if s == "eager")
+    assert "experiment=wmt14_big" in overrides["big@recipe"] and "data.max_tokens=32768" in overrides["big@32k"]
+    args.dry_run, args.switch = True, None
+    todo, skipped = bench_gpu.plan(args, keys)
+    assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
+    assert {s["switches"] for s in skipped} == {"compile"}
+
+
+@pytest.mark.slow
+def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
+    """`bench_gpu.py --dry-run`: the GPU script's plumbing on a CPU, everything shrunk: one JSON record per run,
+    the header (device, date, torch, commit), a Markdown table with a row per run and the top operators."""
+    out = tmp_path / "b.jsonl"
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"),
+                          "--dry-run", "--skip-tests", "--only", "base", "--out", str(out)],
+                         cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert records[0]["kind"] == "machine" and records[0]["dry_run"] and records[0]["commit"]
+    benches = [r for r in records if r["kind"] == "bench"]
+    assert {(r["workload"], r["switches"]) for r in benches} == {
+        ("base@recipe", "eager"), ("base@16k", "eager"), ("base@recipe", "loss=reference"),
+        ("base@16k", "loss=reference")}
+    assert all(r["model"]["N"] == 1 and r["steps"] == 1 and r["top_ops"] for r in benches)
+    assert all(r["commit"] == records[0]["commit"] for r in benches)
+    md = out.with_suffix(".md").read_text()
+    assert records[0]["torch"] in md and records[0]["commit"] in md
+    assert md.count("| base@") == 6  # four runs and two compile rows skipped in a dry run
+    assert "Top " in md and "ops by self CPU time" in md and md.strip() in res.stdout

@@ -13,6 +13,7 @@ CPU). Under torchrun every rank runs steps; tokens/s are for the whole job and M
 """
 import itertools
 import logging
+import os
 import re
 import resource
 import subprocess
@@ -264,6 +265,8 @@ def summarise(trainer, cfg, m: dict) -> dict:
 
 
 def _commit() -> Optional[str]:
+    if os.environ.get("BENCH_COMMIT"):  # set by benchmarks/bench_gpu.py: a copied tree may have no .git
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
