@@ -43,9 +43,11 @@ SWITCH_SETS = {
     # engineer perfmodel's model switches go here by name once they exist, e.g.
     # "fused_qkv": ("model.fused_qkv=true",),
 }
-# What runs, in order: every workload eager, then each other switch set at 16k and at the recipe sizes.
-PLAN = ([(w, "eager") for w in WORKLOADS]
-        + [(w, s) for s in SWITCH_SETS if s != "eager" for w in ("big@16k", "base@16k", "big@recipe", "base@recipe")])
+# What runs, most telling first (past --budget-s the rest is skipped): every workload eager, each other switch
+# set at 16k, then at the recipes' sizes.
+PLAN = ([(w, "eager") for w in ("big@16k", "base@16k", "big@recipe", "base@recipe", "multi30k", "big@32k")]
+        + [(w, s) for w in ("big@16k", "base@16k") for s in SWITCH_SETS if s != "eager"]
+        + [(w, s) for w in ("big@recipe", "base@recipe") for s in SWITCH_SETS if s != "eager"])
 COMMON = ("bench.synthetic=true", "bench.warmup=10", "trainer.progress=false")  # bench.steps: 100 on a GPU
 # --dry-run: the same plan on a CPU, shrunk to seconds a run (compilation, minutes on a CPU, is skipped).
 DRY = ("model=tiny", "model.N=1", "bench.sentences=300", "bench.vocab_size=300", "bench.max_len=30",
