@@ -138,6 +138,25 @@ def test_busy_fraction_counts_overlapping_kernels_once():
     assert busy_fraction([]) is None
 
 
+def test_top_operators_lists_kernels_by_self_device_time_per_step():
+    """On a GPU the top list holds kernels alone (a CPU operator's device time is its kernels', counted twice
+    otherwise), per profiled step, with their share of all kernel time."""
+    from types import SimpleNamespace as NS
+
+    from transformer.training.profiling import top_operators
+
+    avgs = [NS(key="aten::mm", device_type="DeviceType.CPU", count=4, self_device_time_total=900.0,
+               self_cpu_time_total=50.0),
+            NS(key="sm90_gemm", device_type="DeviceType.CUDA", count=4, self_device_time_total=600.0,
+               self_cpu_time_total=0.0),
+            NS(key="softmax_kernel", device_type="DeviceType.CUDA", count=2, self_device_time_total=300.0,
+               self_cpu_time_total=0.0)]
+    top = top_operators(avgs, device=True, rows=15, steps=2)
+    assert [t["name"] for t in top] == ["sm90_gemm", "softmax_kernel"]
+    assert top[0] == {"name": "sm90_gemm", "calls": 2, "self_ms": 0.3, "share": pytest.approx(2 / 3)}
+    assert [t["name"] for t in top_operators(avgs, device=False, rows=1, steps=1)] == ["aten::mm"]
+
+
 def test_peak_table_matches_device_names():
     assert peak_tflops("NVIDIA H100 80GB HBM3", "bf16") == 989
     assert peak_tflops("NVIDIA H100 PCIe", "bf16") == 756

@@ -56,8 +56,10 @@ def top_operators(averages, device: bool, rows: int, steps: int) -> List[Dict]:
     self time; `share` is the fraction of all self time of that kind in the window."""
     key = "self_device_time_total" if device else "self_cpu_time_total"
     kind = "CUDA" if device else "CPU"
-    items = [a for a in averages if str(getattr(a, "device_type", "")).endswith(kind) or not device]
-    items = [a for a in items if getattr(a, key, 0) > 0]
+    items = [a for a in averages if (str(getattr(a, "device_type", "")).endswith(kind) or not device)
+             and getattr(a, key, 0) > 0]
+    if device and not items:  # kernels not told apart by this torch: operators with the kernel time they launched
+        items = [a for a in averages if getattr(a, key, 0) > 0]
     total = sum(getattr(a, key) for a in items) or 1.0
     items.sort(key=lambda a: getattr(a, key), reverse=True)
     return [{"name": a.key, "calls": a.count // max(steps, 1), "self_ms": getattr(a, key) / 1e3 / max(steps, 1),
