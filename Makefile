@@ -6,7 +6,7 @@ PYTEST := $(BIN)/python -m pytest
 # CPU machines pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
 CONSTRAINTS ?= constraints-cpu.txt
 
-.PHONY: install train test test-slow test-docker test-slurm test-gpu bench-gpu test-all clean
+.PHONY: install train test test-slow test-docker test-slurm test-gpu bench-gpu bench-gpu-dry test-all clean
 
 install: $(VENV)/.installed
 
@@ -35,13 +35,18 @@ test-gpu: install  ## needs a CUDA GPU
 	$(PYTEST) -m gpu
 
 # On a GPU machine, with the torch it already has: no venv, nothing downloaded (the other dependencies must be
-# importable there too). GPU tier + transformer-bench for base and big; results appended to BENCH_OUT.
+# importable there too). GPU tier + transformer-bench for base and big at the recipes' sizes, 16k and 32k, eager
+# and with each switch set (benchmarks/bench_gpu.py's table); records appended to BENCH_OUT, a Markdown summary
+# beside it (.md). bench-gpu-dry runs the same plan shrunk on a CPU.
 GPU_PYTHON ?= python3
 BENCH_OUT ?= outputs/bench-gpu-$(shell date +%Y%m%d-%H%M%S).jsonl
 # BENCH_ARGS="--decode-checkpoint RUN/checkpoints/best.pt": decoding speed of a trained model (no spaCy needed)
 BENCH_ARGS ?=
-bench-gpu:  ## GPU tier and GPU benchmarks, under 10 minutes
+bench-gpu:  ## GPU tier and GPU benchmarks, under 8 minutes
 	$(GPU_PYTHON) benchmarks/bench_gpu.py --out $(BENCH_OUT) $(BENCH_ARGS)
+
+bench-gpu-dry: install  ## bench-gpu's plumbing on a CPU, every run shrunk
+	$(BIN)/python benchmarks/bench_gpu.py --dry-run --out outputs/bench-gpu-dry.jsonl
 
 test-all: test test-slow test-docker test-slurm
 

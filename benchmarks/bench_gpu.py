@@ -1,11 +1,17 @@
-"""`make bench-gpu`: the GPU test tier, then transformer-bench for model=base and model=big at a few
-data.max_tokens, then decoding speed when Multi30k is at hand (a trained checkpoint's, with --decode-checkpoint; else a
-random model on spaCy vocabularies, which needs spaCy). Prints a Markdown table (for docs/performance.md)
-and appends every record, one JSON object a line, to --out. Uses the interpreter it runs under: a
-machine's own CUDA torch, with this package importable from the repository (no install, no download).
+"""`make bench-gpu`: the prepared script for a short GPU lease (one H100/H200, under 8 minutes). It runs the GPU
+test tier, then transformer-bench on synthetic batches for each (workload, switch set) of PLAN, most important
+first, within a time budget (what does not fit is recorded as skipped), then decoding speed when Multi30k is
+at hand. Every record goes, one JSON object a line, to --out; a Markdown summary (device, date, torch, CUDA,
+commit; one row per run; the top kernels of the profiled runs) goes beside it (--out with .md) and to stdout.
+Uses the interpreter it runs under: a machine's own CUDA torch, with this package importable from the
+repository (no install, no download).
 
-    python benchmarks/bench_gpu.py --out outputs/bench-gpu.jsonl [--skip-tests] [--only base]
-        [--decode-checkpoint RUN/checkpoints/best.pt]
+    python benchmarks/bench_gpu.py --out outputs/bench-gpu.jsonl [--skip-tests] [--only big] [--budget-s 450]
+        [--switch name=key=value,key=value ...] [--decode-checkpoint RUN/checkpoints/best.pt]
+    python benchmarks/bench_gpu.py --dry-run --out /tmp/dry.jsonl   # the plumbing on a CPU, everything shrunk
+
+To extend: a new switch set is one line of SWITCH_SETS (and its workloads in PLAN); a set whose keys this
+checkout's config lacks is skipped and recorded, so the table may name switches that are still on a branch.
 """
 import argparse
 import importlib.util
@@ -17,13 +23,36 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-# (model, data.max_tokens, extra overrides): bf16 autocast is the default where the GPU has it.
-RUNS = [
-    ("base", 4096, ()), ("base", 16384, ()), ("base", 16384, ("trainer.compile=true",)),
-    ("big", 4096, ()), ("big", 16384, ()), ("big", 16384, ("trainer.compile=true",)),
-    ("big", 32768, ("trainer.activation_checkpointing=true",)),
-]
-SYNTHETIC = ("bench.synthetic=true", "bench.warmup=8", "bench.steps=30", "trainer.progress=false")
+
+# Workloads: synthetic batches (vocabulary 32,000 and lengths ~ N(27, 12) unless set) at the recipes' own
+# per-GPU micro-batches (conf/experiment: the WMT14 recipes' data.max_tokens, experiment=multi30k's model and
+# batch, its vocabulary and short sentences approximated) and at 16k and 32k tokens.
+WORKLOADS = {
+    "multi30k": ("experiment=multi30k", "bench.vocab_size=8000", "bench.length_mean=14", "bench.length_std=5"),
+    "base@recipe": ("experiment=wmt14_base",),
+    "base@16k": ("model=base", "data.max_tokens=16384"),
+    "big@recipe": ("experiment=wmt14_big",),
+    "big@16k": ("model=big", "data.max_tokens=16384"),
+    "big@32k": ("model=big", "data.max_tokens=32768"),
+}
+# Switch sets: name -> overrides. "eager" is the baseline (the defaults: bf16 autocast, the fused loss).
+SWITCH_SETS = {
+    "eager": (),
+    "loss=reference": ("trainer.loss=reference",),  # the log_softmax loss the fused one replaces
+    "compile": ("trainer.compile=true",),
+    # engineer perfmodel's model switches go here by name once they exist, e.g.
+    # "fused_qkv": ("model.fused_qkv=true",),
+}
+# What runs, most telling first (past --budget-s the rest is skipped): every workload eager, each other switch
+# set at 16k, then at the recipes' sizes.
+PLAN = ([(w, "eager") for w in ("big@16k", "base@16k", "big@recipe", "base@recipe", "multi30k", "big@32k")]
+        + [(w, s) for w in ("big@16k", "base@16k") for s in SWITCH_SETS if s != "eager"]
+        + [(w, s) for w in ("big@recipe", "base@recipe") for s in SWITCH_SETS if s != "eager"])
+COMMON = ("bench.synthetic=true", "bench.warmup=10", "trainer.progress=false")  # bench.steps: 100 on a GPU
+# --dry-run: the same plan on a CPU, shrunk to seconds a run (compilation, minutes on a CPU, is skipped).
+DRY = ("model=tiny", "model.N=1", "bench.sentences=300", "bench.vocab_size=300", "bench.max_len=30",
+       "data.max_tokens=400", "bench.warmup=0", "bench.steps=1", "bench.repeats=1", "bench.profile_steps=1",
+       "trainer.accelerator=cpu", "trainer.precision=fp32")
 
 
 def env() -> dict:
@@ -32,36 +61,89 @@ def env() -> dict:
     return e
 
 
+def commit() -> str:
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
 def append(out: Path, record: dict) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
-def run_tests(out: Path) -> int:
+def config_keys() -> set:
+    """Every dotted key of this checkout's config schema (transformer/config.py's dataclasses)."""
+    import dataclasses
+    import typing
+
+    sys.path.insert(0, str(REPO))
+    from transformer.config import Config
+
+    keys = set()
+
+    def walk(cls, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            keys.add(prefix + f.name)
+            kind = hints.get(f.name)
+            if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+                walk(kind, prefix + f.name + ".")
+    walk(Config, "")
+    return keys
+
+
+def missing_keys(overrides, keys: set) -> list:
+    return [o.split("=", 1)[0] for o in overrides
+            if "=" in o and "." in o.split("=", 1)[0] and o.split("=", 1)[0] not in keys]
+
+
+def run_tests(out: Path, log: Path, timeout: float, dry: bool) -> int:
     t0 = time.time()
-    res = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs"],
-                         cwd=REPO, env=env(), capture_output=True, text=True)
-    print(res.stdout[-6000:], res.stderr[-2000:], sep="\n", flush=True)
-    summary = (res.stdout.strip().splitlines() or ["(no output)"])[-1]
-    append(out, {"kind": "gpu_tests", "returncode": res.returncode, "summary": summary,
-                 "seconds": round(time.time() - t0, 1)})
-    return res.returncode
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs"]
+    try:
+        res = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+        code, text = res.returncode, res.stdout + res.stderr
+    except subprocess.TimeoutExpired as e:
+        code, text = 124, f"{e.stdout or ''}\ntimed out after {timeout:.0f} s"
+    with open(log, "a") as f:
+        f.write(f"--- pytest -m gpu\n{text}\n")
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    summary = lines[-1] if lines else "(no output)"
+    print(f"gpu tier: {summary} ({time.time() - t0:.0f} s)", flush=True)
+    # No CUDA here (a dry run): the tier skips every test, pytest's code 5 when all are deselected or skipped.
+    append(out, {"kind": "gpu_tests", "returncode": code, "summary": summary, "seconds": round(time.time() - t0, 1),
+                 "dry_run": dry})
+    return code
 
 
-def run_bench(model: str, max_tokens: int, extra: tuple, out: Path):
-    overrides = [f"model={model}", f"data.max_tokens={max_tokens}", *SYNTHETIC, *extra]
-    print(f"--- transformer-bench {' '.join(overrides)}", flush=True)
-    res = subprocess.run([sys.executable, "-m", "transformer.cli.bench", *overrides], cwd=REPO, env=env(),
-                         capture_output=True, text=True)
-    if res.returncode != 0:  # out of memory at a large max_tokens, say: recorded, and the others still run
-        print(res.stderr[-3000:], flush=True)
-        append(out, {"kind": "bench", "overrides": overrides, "returncode": res.returncode,
-                     "error": (res.stderr.strip().splitlines() or [""])[-1]})
+def run_bench(workload: str, switches: str, overrides: list, out: Path, log: Path, timeout: float):
+    print(f"--- {workload} [{switches}]: transformer-bench {' '.join(overrides)}", flush=True)
+    t0 = time.time()
+    base = {"kind": "bench", "workload": workload, "switches": switches, "overrides": overrides}
+    try:
+        res = subprocess.run([sys.executable, "-m", "transformer.cli.bench", *overrides], cwd=REPO, env=env(),
+                             capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        print(f"    timed out after {timeout:.0f} s", flush=True)
+        append(out, {**base, "returncode": 124, "error": f"timed out after {timeout:.0f} s"})
         return None
-    print("\n".join(res.stdout.strip().splitlines()[:-1]), flush=True)
-    record = json.loads(res.stdout.strip().splitlines()[-1])
-    record.update(kind="bench", overrides=overrides, options=list(extra))
+    with open(log, "a") as f:
+        f.write(f"--- {workload} [{switches}] {' '.join(overrides)}\n{res.stdout}\n{res.stderr[-5000:]}\n")
+    if res.returncode != 0:  # out of memory at a large max_tokens, say: recorded, and the others still run
+        error = (res.stderr.strip().splitlines() or [""])[-1]
+        print(f"    failed ({res.returncode}): {error}", flush=True)
+        append(out, {**base, "returncode": res.returncode, "error": error})
+        return None
+    record = {**json.loads(res.stdout.strip().splitlines()[-1]), **base, "seconds": round(time.time() - t0, 1)}
+    mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
+    print(f"    {record['tgt_tokens_per_s']:,.0f} tgt tok/s, MFU {mfu}, {record['seconds']:.0f} s", flush=True)
     append(out, record)
     return record
 
@@ -79,45 +161,117 @@ def run_decode(out: Path, checkpoint) -> None:
     append(out, {"kind": "decode", "args": args, "returncode": res.returncode, "output": res.stdout})
 
 
-def markdown(records) -> str:
-    rows = ["| model | max_tokens | compute | options | target tok/s | step ms | fwd+bwd ms | optimizer ms | "
-            "peak GiB | TFLOP/s | MFU |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+def _pct(v) -> str:
+    return f"{100 * v:.1f}%" if v is not None else "n/a"
+
+
+def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "base@16k")) -> str:
+    """The summary for the performance document: one row per run, then the top kernels of the eager runs
+    named in `top_of` (or of the first profiled run)."""
+    lines = [f"**{header['device']}**, {header['date']}, torch {header['torch']} (CUDA {header['cuda']}), commit "
+             f"{header['commit']}; synthetic batches; MFU on real tokens (computed FLOPs, padding included, in "
+             f"brackets); tok/s: all repeats' mean (median, min-max of the repeats)", "",
+             "| workload | switches | max_tokens | compute | target tok/s | step ms | MFU real (computed) | "
+             "waste pad / pad-to-multiple | GPU busy | syncs/step (flag waits) | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
-        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-        options = " ".join(r["options"]) or "-"
-        rows.append(f"| {r['overrides'][0][6:]} | {r['max_tokens']} | {r['compute']} | {options} | "
-                    f"{r['tgt_tokens_per_s']:,.0f} | {r['step_ms']:.1f} | {r['forward_backward_ms']:.1f} | "
-                    f"{r['optimizer_ms']:.1f} | {r['peak_mem_gb']:.1f} | {r['achieved_tflops']:.3g} | {mfu} |")
-    return "\n".join(rows)
+        sp = r["tgt_tokens_per_s_spread"]
+        syncs = "n/a" if r["host_syncs_per_step"] is None else f"{r['host_syncs_per_step']:.2f}"
+        lines.append(
+            f"| {r['workload']} | {r['switches']} | {r['max_tokens']} | {r['compute']} | "
+            f"{r['tgt_tokens_per_s']:,.0f} ({sp['median']:,.0f}, {sp['min']:,.0f}-{sp['max']:,.0f}) | "
+            f"{r['step_ms']:.1f} | {_pct(r['mfu'])} ({_pct(r['mfu_computed'])}) | "
+            f"{_pct(r['waste_padding'])} / {_pct(r['waste_pad_multiple'])} | {_pct(r['busy'])} | "
+            f"{syncs} ({r['flag_waits_per_step']:.2f}) | {r['peak_mem_gb']:.1f} |")
+    for s in skipped:
+        lines.append(f"| {s['workload']} | {s['switches']} | | | {s['why']} | | | | | | |")
+    profiled = [r for r in records if r.get("top_ops")]
+    chosen = [r for name in top_of for r in profiled if r["workload"] == name and r["switches"] == "eager"]
+    for r in chosen or profiled[:1]:
+        kind = "kernels by self GPU time" if r["top_ops_kind"] == "kernels_self_device" else "ops by self CPU time"
+        lines += ["", f"Top {len(r['top_ops'])} {kind}, {r['workload']} [{r['switches']}] "
+                      f"({r['profile_steps']} profiled steps; ms per step, share of all):", "",
+                  "| ms/step | share | calls/step | name |", "|---|---|---|---|"]
+        lines += [f"| {t['self_ms']:.3f} | {100 * t['share']:.1f}% | {t['calls']} | `{t['name'][:100]}` |"
+                  for t in r["top_ops"]]
+    return "\n".join(lines)
 
 
-def main() -> int:
+def plan(args, keys: set) -> tuple:
+    """[(workload, switch set name, overrides)] to run, and [(workload, switch set, why)] skipped up front."""
+    sets = dict(SWITCH_SETS)
+    for spec in args.switch or []:  # name=key=value,key=value
+        name, _, rest = spec.partition("=")
+        sets[name] = tuple(x for x in rest.split(",") if x)
+    entries = list(PLAN) + [(w, name) for name in sets if name not in SWITCH_SETS
+                            for w in ("big@16k", "base@16k")]
+    todo, skipped = [], []
+    for workload, name in entries:
+        if args.only and not workload.startswith(args.only):
+            continue
+        switch = sets[name]
+        lacking = missing_keys(switch, keys)
+        if lacking:
+            skipped.append({"workload": workload, "switches": name, "why": f"not in this checkout: {lacking}"})
+        elif args.dry_run and any(s.startswith("trainer.compile=true") for s in switch):
+            skipped.append({"workload": workload, "switches": name, "why": "dry run: no compilation on a CPU"})
+        else:
+            todo.append((workload, name, [*WORKLOADS[workload], *COMMON, *switch, *(DRY if args.dry_run else ())]))
+    return todo, skipped
+
+
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "outputs" / f"bench-gpu-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     p.add_argument("--skip-tests", action="store_true")
-    p.add_argument("--only", choices=["base", "big"], help="benchmark one model size only")
+    p.add_argument("--only", choices=["base", "big", "multi30k"], help="workloads of one model only")
+    p.add_argument("--budget-s", type=float, default=450.0, help="stop starting runs after this many seconds")
+    p.add_argument("--switch", action="append", help="an extra switch set, name=key=value,key=value (16k runs)")
     p.add_argument("--decode-checkpoint", type=Path, help="time decoding with this trained checkpoint")
-    args = p.parse_args()
+    p.add_argument("--dry-run", action="store_true", help="on a CPU, everything shrunk: tests the plumbing")
+    args = p.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
-        print("bench_gpu: torch sees no CUDA GPU", file=sys.stderr)
+    if not args.dry_run and not torch.cuda.is_available():
+        print("bench_gpu: torch sees no CUDA GPU (--dry-run tests the script on a CPU)", file=sys.stderr)
         return 2
     start = time.time()
-    append(args.out, {"kind": "machine", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                      "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M:%S")})
-    code = 0 if args.skip_tests else run_tests(args.out)
-    records = [r for m, tokens, extra in RUNS if args.only in (None, m)
-               if (r := run_bench(m, tokens, extra, args.out)) is not None]
+    log = args.out.with_suffix(".log")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    header = {"kind": "machine", "device": torch.cuda.get_device_name(0) if not args.dry_run else "cpu (dry run)",
+              "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+              "commit": commit(), "dry_run": args.dry_run}
+    append(args.out, header)
+    os.environ["BENCH_COMMIT"] = header["commit"]  # transformer-bench's records name it too (no .git on a copy)
+    code = 0
+    if not args.skip_tests:
+        code = run_tests(args.out, log, timeout=min(240.0, args.budget_s / 2), dry=args.dry_run)
+        code = 0 if args.dry_run and code == 5 else code
+    todo, skipped = plan(args, config_keys())
+    records = []
+    for i, (workload, name, overrides) in enumerate(todo):
+        left = args.budget_s - (time.time() - start)
+        if left < 30:
+            for w, n, _ in todo[i:]:
+                skipped.append({"workload": w, "switches": n, "why": "over the time budget"})
+                append(args.out, {"kind": "bench", "workload": w, "switches": n, "skipped": "over the time budget"})
+            break
+        r = run_bench(workload, name, overrides, args.out, log, timeout=left)
+        if r is not None:
+            records.append(r)
+        else:
+            skipped.append({"workload": workload, "switches": name, "why": "failed (see the log)"})
     multi30k = Path(os.environ.get("MULTI30K_DIR") or REPO.parent / "shared" / "data" / "multi30k")
-    if (multi30k / "test_2016_flickr.de.gz").is_file():
+    if args.dry_run:
+        pass
+    elif (multi30k / "test_2016_flickr.de.gz").is_file() and args.budget_s - (time.time() - start) > 60:
         run_decode(args.out, args.decode_checkpoint)
     else:
-        print(f"decoding: skipped (no Multi30k in {multi30k}; set MULTI30K_DIR)")
-    print(f"\n{torch.cuda.get_device_name(0)}, torch {torch.__version__}, {time.strftime('%Y-%m-%d')}, "
-          f"bf16 unless noted, synthetic batches (lengths ~ N(27, 12), vocab 32000)\n")
-    print(markdown(records))
-    print(f"\nresults: {args.out} ({time.time() - start:.0f} s)")
+        print(f"decoding: skipped (no Multi30k in {multi30k}, set MULTI30K_DIR, or no time left)")
+    summary = markdown(header, records, skipped)
+    args.out.with_suffix(".md").write_text(summary + "\n")
+    print("\n" + summary)
+    print(f"\nresults: {args.out}, {args.out.with_suffix('.md')}, log {log} ({time.time() - start:.0f} s)")
     return code
 
 

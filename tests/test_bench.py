@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.benchmarks import load_benchmark
 from tests.helpers.cli import cli_env
@@ -13,7 +14,8 @@ from transformer.training.bench import peak_tflops
 from transformer.training.speedups import native_bf16_cpu
 
 TINY = ("model=tiny", "model.N=1", "bench.synthetic=true", "bench.sentences=400", "bench.vocab_size=500",
-        "bench.max_len=40", "data.max_tokens=600", "bench.warmup=1", "bench.steps=3", "trainer.progress=false")
+        "bench.max_len=40", "data.max_tokens=600", "bench.warmup=1", "bench.steps=3", "bench.repeats=2",
+        "bench.profile_steps=1", "trainer.progress=false")
 
 
 def bench(cwd: Path, *overrides: str, expect: int = 0) -> subprocess.CompletedProcess:
@@ -33,7 +35,7 @@ def test_bench_prints_a_sane_table_and_json_line(tmp_path):
     # precision=auto in a subprocess, where conftest's fp32 patch does not reach: bf16 exactly where the CPU has
     # bf16 units (a Zen 5 EPYC, an AMX Xeon), fp32 elsewhere (an AVX2 EPYC). The probe imported at collection,
     # before that patch
-    assert r["device"] == "cpu" and r["steps"] == 3 and r["data"] == "synthetic"
+    assert r["device"] == "cpu" and r["steps"] == 3 and r["repeats"] == 2 and r["data"] == "synthetic"
     assert r["compute"] == ("bf16" if native_bf16_cpu() else "fp32")
     assert r["model"]["N"] == 1 and r["model"]["tgt_vocab_size"] == 500
     assert 0 < r["tgt_tokens_per_s"] and 0 < r["src_tokens_per_s"] and 0 < r["sentences_per_s"]
@@ -44,11 +46,27 @@ def test_bench_prints_a_sane_table_and_json_line(tmp_path):
     parts = [r[k] for k in ("data_wait_ms", "forward_backward_ms", "optimizer_ms", "other_ms")]
     assert all(p >= 0 for p in parts) and r["forward_backward_ms"] > 0 and r["communication_ms"] is None
     assert sum(parts) == pytest.approx(r["step_ms"], rel=0.02)
-    # FLOP rate = FLOPs per step x steps / time; MFU against the given peak.
+    # FLOP rate = FLOPs per step x steps x repeats / time; MFU against the given peak.
     assert r["flops_per_step"] > 1e6
-    assert r["achieved_tflops"] * 1e12 == pytest.approx(r["flops_per_step"] * 3 / r["wall_s"], rel=1e-3)
+    assert r["achieved_tflops"] * 1e12 == pytest.approx(r["flops_per_step"] * 3 * 2 / r["wall_s"], rel=1e-3)
     assert r["mfu"] == pytest.approx(r["achieved_tflops"] / 0.5, rel=1e-6)
-    for row in ("target tokens/s (real)", "forward+backward", "model FLOPs / step", "MFU"):
+    # Useful work is the real tokens': padding is waste, so MFU on real tokens is at most the computed count's.
+    assert 0 < r["waste_padding"] < 0.5 and r["waste_pad_multiple"] == 0  # eager: no pad-to-multiple
+    assert r["flops_per_step"] == pytest.approx(r["flops_computed_per_step"] * (1 - r["waste_padding"]), rel=1e-9)
+    assert r["mfu"] <= r["mfu_computed"] and r["mfu"] == pytest.approx(r["mfu_computed"] * (1 - r["waste_padding"]))
+    # The spread of the repeats brackets their median, and the whole run's rate lies within it.
+    for key in ("tgt_tokens_per_s_spread", "mfu_spread"):
+        sp = r[key]
+        assert 0 < sp["min"] <= sp["median"] <= sp["max"]
+    assert r["tgt_tokens_per_s_spread"]["min"] * 0.999 <= r["tgt_tokens_per_s"]
+    assert r["tgt_tokens_per_s"] <= r["tgt_tokens_per_s_spread"]["max"] * 1.001
+    # The profile window: top operators by self CPU time (no device timeline on a CPU, so no busy fraction).
+    assert r["profile_steps"] == 1 and r["busy"] is None and r["top_ops_kind"] == "ops_self_cpu"
+    assert r["flag_waits_per_step"] == 0 and r["host_syncs_per_step"] is None  # CPU: flags are read directly
+    assert 1 <= len(r["top_ops"]) <= 15 and any(t["name"] in ("aten::mm", "aten::addmm") for t in r["top_ops"])
+    assert all(a["self_ms"] >= b["self_ms"] > 0 for a, b in zip(r["top_ops"], r["top_ops"][1:], strict=False))
+    for row in ("target tokens/s (real)", "forward+backward", "model FLOPs / step", "waste: padding", "MFU",
+                "top ", "operators by self CPU time"):
         assert row in res.stdout
     assert list(tmp_path.iterdir()) == []  # no run directory, no .hydra, no outputs/
 
@@ -66,6 +84,77 @@ def test_bench_bad_input_is_one_line_exit_2(tmp_path):
     res = bench(tmp_path, *TINY, "bench.min_len=700", "bench.max_len=900", expect=2)  # > data.max_tokens
     assert "data.max_tokens=600" in res.stderr.strip().splitlines()[-1]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_at_a_recipe_micro_batch_with_loader_workers(tmp_path):
+    """The WMT14 recipe's own per-GPU data.max_tokens (synthetic batches of its size), batches collated by a
+    DataLoader worker as in training, eager steps: no pad-to-multiple waste."""
+    r = record(bench(tmp_path, "experiment=wmt14_base", *TINY, "data.max_tokens=3300", "data.num_workers=1",
+                     "bench.repeats=1", "bench.steps=1", "bench.profile=false"))
+    assert r["max_tokens"] == 3300 and r["loader_workers"] == 1 and r["top_ops"] is None
+    assert r["tgt_tokens_per_s"] * r["wall_s"] > 1000  # timed at the recipe's size, not a ramp's
+
+
+def test_padding_waste_is_counted_exactly_on_a_hand_built_batch():
+    """Two sentences of (source, target) lengths (3, 2) and (5, 4), padded to (5, 4) and, with
+    pad_to_multiple=8, run at (8, 8): useful FLOPs are each sentence's own, the rest is waste of two kinds."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from transformer.config import ModelConfig
+    from transformer.data.batch import Batch
+    from transformer.model import Transformer
+    from transformer.model.flops import real_flops, training_flops
+    from transformer.training.bench import Totals
+    from transformer.training.loss import label_smoothed_cross_entropy
+
+    torch.manual_seed(0)
+    model = Transformer.from_config(ModelConfig(N=2, d_model=16, d_ff=32, h=2), 50, 70)
+    args = model.args
+    src = torch.tensor([[7, 8, 2, 0, 0], [7, 8, 9, 10, 2]])
+    tgt_in = torch.tensor([[1, 9, 0, 0], [1, 9, 10, 11]])
+    tgt_out = torch.tensor([[9, 2, 0, 0], [9, 10, 11, 2]])
+    totals = Totals(args, 8)
+    totals.add([Batch(src, tgt_in, tgt_out, torch.arange(2), 6)], 0.0)
+    one = training_flops(args, 1, 3, 2) + training_flops(args, 1, 5, 4)
+    assert totals.flops_real == one == real_flops(args, [3, 5], [2, 4])
+    assert totals.flops_batch == training_flops(args, 2, 5, 4) > one
+    assert totals.flops_run == training_flops(args, 2, 8, 8) > totals.flops_batch
+    assert (totals.tgt, totals.src, totals.sentences, totals.slots) == (6, 8, 2, 8)
+    # The per-sentence sum is what the model computes on each sentence alone (FlopCounterMode, as test_flops).
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as fc:
+        for i, (s, t) in enumerate(((3, 2), (5, 4))):
+            logits = model(src[i:i + 1, :s], tgt_in[i:i + 1, :t])
+            label_smoothed_cross_entropy(logits, tgt_out[i:i + 1, :t], 0.1, 0)[0].backward()
+    assert fc.get_total_flops() == pytest.approx(one, rel=0.05)
+
+
+def test_busy_fraction_counts_overlapping_kernels_once():
+    from transformer.training.profiling import busy_fraction
+
+    assert busy_fraction([(0, 2), (1, 3), (5, 6)], (0, 10)) == pytest.approx(0.4)
+    assert busy_fraction([(0, 2), (1, 3), (5, 6)]) == pytest.approx(4 / 6)  # first start to last end
+    assert busy_fraction([(-1, 1), (9, 12)], (0, 10)) == pytest.approx(0.2)  # clipped to the window
+    assert busy_fraction([]) is None
+
+
+def test_top_operators_lists_kernels_by_self_device_time_per_step():
+    """On a GPU the top list holds kernels alone (a CPU operator's device time is its kernels', counted twice
+    otherwise), per profiled step, with their share of all kernel time."""
+    from types import SimpleNamespace as NS
+
+    from transformer.training.profiling import top_operators
+
+    avgs = [NS(key="aten::mm", device_type="DeviceType.CPU", count=4, self_device_time_total=900.0,
+               self_cpu_time_total=50.0),
+            NS(key="sm90_gemm", device_type="DeviceType.CUDA", count=4, self_device_time_total=600.0,
+               self_cpu_time_total=0.0),
+            NS(key="softmax_kernel", device_type="DeviceType.CUDA", count=2, self_device_time_total=300.0,
+               self_cpu_time_total=0.0)]
+    top = top_operators(avgs, device=True, rows=15, steps=2)
+    assert [t["name"] for t in top] == ["sm90_gemm", "softmax_kernel"]
+    assert top[0] == {"name": "sm90_gemm", "calls": 2, "self_ms": 0.3, "share": pytest.approx(2 / 3)}
+    assert [t["name"] for t in top_operators(avgs, device=False, rows=1, steps=1)] == ["aten::mm"]
 
 
 def test_peak_table_matches_device_names():
@@ -139,3 +228,51 @@ def test_bench_gpu_skips_decoding_without_spacy_and_says_how(tmp_path, monkeypat
     bench_gpu.run_decode(out, None)
     assert "--decode-checkpoint" in capsys.readouterr().out
     assert json.loads(out.read_text()) == {"kind": "decode", "skipped": "spacy not importable"}
+
+
+def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks():
+    """The prepared GPU script's table: every workload eager (the recipes' micro-batches, 16k, big at 32k),
+    each switch set at 16k and the recipe sizes; a set naming a key the config lacks (a switch still on
+    another branch) is skipped and said so; a dry run skips compilation."""
+    import argparse
+
+    bench_gpu = load_benchmark("bench_gpu")
+    keys = bench_gpu.config_keys()
+    assert {"trainer.loss", "trainer.compile", "data.max_tokens", "bench.profile"} <= keys
+    args = argparse.Namespace(switch=["wishful=model.no_such_switch=true", "small_batches=data.max_tokens=8000"],
+                              only=None, dry_run=False)
+    todo, skipped = bench_gpu.plan(args, keys)
+    runs = {(w, s) for w, s, _ in todo}
+    assert {(w, "eager") for w in ("multi30k", "base@recipe", "base@16k", "big@recipe", "big@16k", "big@32k")} <= runs
+    assert {("big@16k", "compile"), ("base@recipe", "loss=reference"), ("big@16k", "small_batches")} <= runs
+    assert {(s["workload"], s["switches"]) for s in skipped} == {("big@16k", "wishful"), ("base@16k", "wishful")}
+    assert "model.no_such_switch" in skipped[0]["why"]
+    overrides = dict((w, o) for w, s, o in todo if s == "eager")
+    assert "experiment=wmt14_big" in overrides["big@recipe"] and "data.max_tokens=32768" in overrides["big@32k"]
+    args.dry_run, args.switch = True, None
+    todo, skipped = bench_gpu.plan(args, keys)
+    assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
+    assert {s["switches"] for s in skipped} == {"compile"}
+
+
+@pytest.mark.slow
+def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
+    """`bench_gpu.py --dry-run`: the GPU script's plumbing on a CPU, everything shrunk: one JSON record per run,
+    the header (device, date, torch, commit), a Markdown table with a row per run and the top operators."""
+    out = tmp_path / "b.jsonl"
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"),
+                          "--dry-run", "--skip-tests", "--only", "base", "--out", str(out)],
+                         cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert records[0]["kind"] == "machine" and records[0]["dry_run"] and records[0]["commit"]
+    benches = [r for r in records if r["kind"] == "bench"]
+    assert {(r["workload"], r["switches"]) for r in benches} == {
+        ("base@recipe", "eager"), ("base@16k", "eager"), ("base@recipe", "loss=reference"),
+        ("base@16k", "loss=reference")}
+    assert all(r["model"]["N"] == 1 and r["steps"] == 1 and r["top_ops"] for r in benches)
+    assert all(r["commit"] == records[0]["commit"] for r in benches)
+    md = out.with_suffix(".md").read_text()
+    assert records[0]["torch"] in md and records[0]["commit"] in md
+    assert md.count("| base@") == 6  # four runs and two compile rows skipped in a dry run
+    assert "Top " in md and "ops by self CPU time" in md and md.strip() in res.stdout

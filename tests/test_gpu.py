@@ -4,7 +4,6 @@ exact resume in deterministic mode, and translation equal on GPU and CPU."""
 import json
 import subprocess
 import sys
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +18,7 @@ from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training.hotpath import LaggedFlag, TrainWindow
 from transformer.training.parallelize import autocast_dtype, parallelize
+from transformer.training.profiling import host_syncs
 from transformer.training.speedups import native_bf16_tf32
 from transformer.training.trainer import Trainer
 
@@ -51,20 +51,6 @@ def loss_curve(t, bs, accumulate=1):
     window, flag = TrainWindow(), LaggedFlag()
     results = [t._train_step(bs[i:i + accumulate], window, flag)[0] for i in range(0, len(bs), accumulate)]
     return np.array([(r.loss / r.tokens).item() for r in results])
-
-
-def host_syncs(fn) -> list:
-    """Messages of the synchronising CUDA calls `fn` makes (torch.cuda.set_sync_debug_mode)."""
-    torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    # torch >= 2.11 also warns, once per process, that the debug mode itself is a prototype: not a sync.
-    return [str(w.message) for w in caught if "synchroniz" in str(w.message) and "prototype" not in str(w.message)]
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
@@ -170,7 +156,8 @@ def test_translate_on_gpu_equals_cpu_greedy(tmp_path):
 
 def test_bench_reports_mfu_on_gpu(tmp_path):
     res = subprocess.run([sys.executable, "-m", "transformer.cli.bench", "model=tiny", "bench.synthetic=true",
-                          "bench.warmup=3", "bench.steps=10", "trainer.progress=false", *GPU], cwd=tmp_path,
+                          "bench.warmup=3", "bench.steps=10", "bench.repeats=2", "bench.profile_steps=2",
+                          "trainer.progress=false", *GPU], cwd=tmp_path,
                          env=cli_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(res.stdout.strip().splitlines()[-1])
@@ -178,7 +165,10 @@ def test_bench_reports_mfu_on_gpu(tmp_path):
     assert r["compute"] == ("bf16" if native_bf16_tf32(CUDA) else "fp32")
     assert r["forward_backward_ms"] > 0 and r["tgt_tokens_per_s"] > 0
     if r["peak_tflops"] is not None:
-        assert 0 < r["mfu"] < 1
+        assert 0 < r["mfu"] <= r["mfu_computed"] < 1
+    # Batches come from the training default of 2 loader workers; the profile window saw kernels on the device.
+    assert r["loader_workers"] == 2 and 0 < r["busy"] <= 1
+    assert r["top_ops_kind"] == "kernels_self_device" and 1 <= len(r["top_ops"]) <= 15
 
 
 def test_auto_precision_is_bf16_where_supported():

@@ -138,14 +138,57 @@ def test_loss_without_boolean_indexing_equals_the_selected_rows():
         assert torch.allclose(nll, ref_nll, rtol=1e-6) and torch.allclose(loss, ref, rtol=1e-6)
 
 
-def test_lagged_flag_returns_the_previous_push():
+def test_lagged_flag_returns_the_push_lag_pushes_before():
+    values = (0.0, 1.0, 0.0, 2.0, 0.0)
+    flag = LaggedFlag(lag=1)
+    assert [flag.push(torch.tensor(v)) for v in values] == [False, False, True, False, True]
+    flag = LaggedFlag()  # the trainer's: two pushes late
+    assert [flag.push(torch.tensor(v)) for v in values] == [False, False, False, True, False]
     flag = LaggedFlag()
-    assert [flag.push(torch.tensor(v)) for v in (0.0, 1.0, 0.0, 2.0)] == [False, False, True, False]
+    assert [flag.push(torch.tensor(v)) for v in ([0.0, 1.0], [1.0, 0.0], [0.0, 0.0])] == [
+        (False, False), (False, False), (False, True)]
+    with pytest.raises(ValueError, match="lag=0"):
+        LaggedFlag(lag=0)
 
 
-def test_stop_signal_stops_all_ranks_one_step_late_with_a_checkpoint(tmp_path, monkeypatch):
-    """A signal before step 3's all-reduce rides in step 3's statistics; they are read after step 4, which
-    is where the run checkpoints and exits with code 3."""
+class FakeGpu:
+    """A device `behind` steps behind the host: when the host has queued step n, the device has finished the
+    work of step n - behind. `start_copy` stands for LaggedFlag's copy and event record, whose query() and
+    synchronize() behave as CUDA's (synchronize counted: a host sync)."""
+
+    def __init__(self, behind: int):
+        self.behind, self.queued, self.syncs = behind, 0, 0
+
+    def start_copy(self, flag):
+        gpu, queued_at = self, self.queued
+
+        class Event:
+            def query(self):
+                return gpu.queued - queued_at >= gpu.behind
+
+            def synchronize(self):
+                gpu.syncs += 1
+        return flag.clone(), Event()
+
+
+@pytest.mark.parametrize("lag, behind, waits", [(2, 1, 0), (2, 2, 0), (2, 3, 8), (1, 1, 0), (1, 2, 9)])
+def test_lagged_flag_waits_only_when_the_host_is_more_than_lag_steps_ahead(monkeypatch, lag, behind, waits):
+    """The per-step event wait is gone while the device is at most `lag` steps behind the host; when it is
+    further behind, the host waits (and the wait is counted), and the values read are the same either way."""
+    gpu = FakeGpu(behind)
+    flag = LaggedFlag(lag)
+    monkeypatch.setattr(flag, "_start_copy", gpu.start_copy)
+    got = []
+    for i in range(10):
+        gpu.queued = i  # the host queued step i, whose statistics hold the flag
+        got.append(flag.push(torch.tensor(float(i == 4))))
+    assert got == [i == 4 + lag for i in range(10)]
+    assert flag.reads == 10 - lag and flag.waits == gpu.syncs == waits
+
+
+def test_stop_signal_stops_all_ranks_two_steps_late_with_a_checkpoint(tmp_path, monkeypatch):
+    """A signal before step 3's all-reduce rides in step 3's statistics; they are read after step 5 (the flag
+    is read two steps late), which is where the run checkpoints and exits with code 3."""
     t = make_trainer(tmp_path, "trainer.max_steps=20", "trainer.val_every=1000", "checkpoint.every_steps=1000",
                      "trainer.max_epochs=null")
     step = t._optimizer_step
@@ -158,8 +201,8 @@ def test_stop_signal_stops_all_ranks_one_step_late_with_a_checkpoint(tmp_path, m
 
     monkeypatch.setattr(t, "_optimizer_step", signalled_at_step_3)
     assert t.train() == PREEMPTED_EXIT_CODE
-    assert t.step == 4
-    assert [s for s, _ in t.checkpointer.step_files()] == [4]
+    assert t.step == 5
+    assert [s for s, _ in t.checkpointer.step_files()] == [5]
 
 
 def _late_worker(rank: int, port: int, run_dir: str, anneal: float):
@@ -184,7 +227,7 @@ def _late_worker(rank: int, port: int, run_dir: str, anneal: float):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("anneal, step, fall", [(0.0, 5, [None, None]), (0.5, 10, [5, 10])])
+@pytest.mark.parametrize("anneal, step, fall", [(0.0, 6, [None, None]), (0.5, 12, [6, 12])])
 def test_time_flags_on_one_rank_act_on_every_rank_at_the_same_step(tmp_path, anneal, step, fall):
     """The late and anneal flags are all-reduced like the stop flag. A rank whose clock is not late stops with
     the one that is (otherwise it would wait in the next collective until trainer.timeout_s); a rank whose

@@ -82,6 +82,52 @@ def test_chunked_loss_and_gradient_equal_log_softmax_autograd(monkeypatch, dtype
     assert grad[0, 2:].abs().sum() == 0 and grad[2, 4].abs().sum() == 0  # pads get no gradient
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [3, 1000])
+def test_fused_loss_writes_its_gradient_into_the_logits_when_asked(monkeypatch, dtype, chunk):
+    """inplace=True (the trainer's call): the backward pass stores the gradient in the logits' own storage,
+    a non-leaf tensor nothing reads after the loss, and the gradient reaching the layer below is the same.
+    bf16: the gradient is computed in fp32 and rounded to bf16 once, so it lies within half a unit in the last
+    place of bf16's 8-bit significand (2^-8 relative) of the exact value, the fp64 reference's on the same
+    logits (plus fp32's rounding, far smaller)."""
+    monkeypatch.setattr(loss_module, "rows_per_chunk", lambda logits: chunk)
+    torch.manual_seed(1)
+    hidden = torch.randn(4, 6, 16, dtype=torch.float64)
+    w = torch.randn(41, 16, dtype=torch.float64) / 2
+    target = torch.randint(1, 41, (4, 6))
+    target[1, 3:] = 0
+    out = {}
+    for inplace in (False, True):
+        h = hidden.to(dtype).requires_grad_()
+        logits = h @ w.to(dtype).T  # (4, 6, 41), made by an operation: not a leaf
+        loss, nll = label_smoothed_cross_entropy(logits, target, 0.1, 0, inplace=inplace)
+        kept = out["logits"] = logits.detach().clone()
+        logits.register_hook(lambda g, store=out, key=inplace: store.update({key: g.clone()}))
+        (loss + 0.5 * nll).backward()
+        assert torch.equal(logits.detach(), kept) != inplace  # overwritten exactly when asked
+        out[(inplace, "h")] = h.grad
+    torch.testing.assert_close(out[True], out[False], rtol=0, atol=0)  # the same numbers, other storage
+    torch.testing.assert_close(out[(True, "h")], out[(False, "h")], rtol=0, atol=0)
+    ref_logits = out["logits"].double().requires_grad_()  # the same logits, exactly, in fp64
+    ref_loss, ref_nll = reference_label_smoothed_cross_entropy(ref_logits, target, 0.1, 0)
+    (g_exact,) = torch.autograd.grad(ref_loss + 0.5 * ref_nll, ref_logits)
+    rel = 1e-6 if dtype == torch.float32 else 2.0 ** -8 * 1.001
+    assert ((out[True].double() - g_exact).abs() <= rel * g_exact.abs() + 1e-7).all()
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-5) and nll.item() == pytest.approx(ref_nll.item(),
+                                                                                                     rel=1e-5)
+
+
+def test_loss_implementations_agree_and_a_bad_name_fails():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 13)
+    target = torch.randint(0, 13, (2, 5))
+    fused = label_smoothed_cross_entropy(logits, target, 0.1, 0)
+    ref = label_smoothed_cross_entropy(logits, target, 0.1, 0, impl="reference")
+    torch.testing.assert_close(fused, ref, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="trainer.loss='chunky': must be one of fused, reference"):
+        label_smoothed_cross_entropy(logits, target, 0.1, 0, impl="chunky")
+
+
 def test_chunked_loss_passes_gradcheck(monkeypatch):
     monkeypatch.setattr(loss_module, "rows_per_chunk", lambda logits: 2)
     torch.manual_seed(0)

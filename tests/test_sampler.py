@@ -194,3 +194,29 @@ def test_memory_mapped_dataset_pickles_as_paths(tmp_path):
     assert all(np.array_equal(again[i][1], data[i][1]) for i in (0, 17, 4999))
     plain = Ragged.from_lists([[4, 5], [6]])
     assert pickle.loads(pickle.dumps(plain))[0].tolist() == [4, 5]  # in-memory arrays still pickle by value
+
+
+def test_loader_workers_persist_across_epochs_and_take_the_same_batches():
+    """With workers, one DataLoader serves every epoch (its workers start once); each epoch, and a resumed
+    epoch's remainder, yields exactly the batches of the worker-less loader, also after an epoch left unfinished."""
+    rng = np.random.default_rng(0)
+    seqs = Ragged.from_lists([rng.integers(4, 20, rng.integers(1, 12)).tolist() for _ in range(200)])
+    data = PairDataset(seqs, seqs)
+    plain, workers = (DataModule(data, data, _Tok(), max_tokens=60, max_sentences=None, seed=0, rank=0,
+                                 world_size=1, num_workers=n) for n in (0, 1))
+    try:
+        def ids(loader, n=None):
+            it = iter(loader)
+            return [next(it).ids.tolist() for _ in range(n)] if n else [b.ids.tolist() for b in it]
+
+        first = workers.train_loader(0)
+        assert ids(first, 2) == ids(plain.train_loader(0), 2)  # left unfinished: its prefetched batches dropped
+        pids = [w.pid for w in first._iterator._workers]
+        for epoch, start in ((1, 0), (2, 5), (0, 0)):
+            loader = workers.train_loader(epoch, start)
+            assert loader is first and ids(loader) == ids(plain.train_loader(epoch, start))
+            assert [w.pid for w in loader._iterator._workers] == pids  # not restarted
+        assert sorted(i for b in ids(workers.train_loader(3)) for i in b) == list(range(200))
+    finally:
+        workers.close()
+    assert workers._persistent is None

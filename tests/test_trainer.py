@@ -212,42 +212,42 @@ def test_bf16_on_a_gpu_before_ampere_is_called_emulated(monkeypatch, capability,
     assert why is None or "trainer.precision=fp16" in why
 
 
-def test_max_minutes_ends_the_run_normally_one_step_late(tmp_path):
+def test_max_minutes_ends_the_run_normally_two_steps_late(tmp_path):
     """trainer.max_minutes: the step whose clock is past the limit raises the late flag; like the stop flag it
-    is read one step late (every rank reads the same all-reduced value), and the run then ends as max_steps
+    is read two steps late (every rank reads the same all-reduced value), and the run then ends as max_steps
     ends it: validation, a checkpoint, exit code 0 and the end-of-run evaluation."""
     t = make_trainer(tmp_path, "trainer.max_minutes=1", "trainer.max_epochs=null", "trainer.max_steps=null",
                      "trainer.val_every=1000", "checkpoint.every_steps=1000")
     t.clock.seconds = lambda: 60.0 * (t.step >= 3)  # minute 1 is over once 3 steps have run
     assert t.train() == 0
-    assert t.step == 5  # step 4 saw the limit, step 5 read its flag
+    assert t.step == 6  # step 4 saw the limit, step 6 read its flag
     ckpt = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
-    assert ckpt["trainer"]["step"] == 5
+    assert ckpt["trainer"]["step"] == 6
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in lines if x["split"] == "valid"] == [5]
+    assert [x["step"] for x in lines if x["split"] == "valid"] == [6]
     assert [x["eta_s"] for x in lines if x["split"] == "train"] == [0.0]  # the ETA counts the minutes left
     # The same command again (a resume, to redo an interrupted end of run): no step more, the same end.
     again = make_trainer(tmp_path, "trainer.max_minutes=1", "trainer.max_epochs=null", "trainer.max_steps=null",
                          "trainer.val_every=1000", "checkpoint.every_steps=1000")
     again.load_state_dict(ckpt)
     assert again.train() == 0
-    assert again.step == 5 and load_checkpoint(tmp_path / "checkpoints" / "last.pt")["trainer"]["step"] == 5
+    assert again.step == 6 and load_checkpoint(tmp_path / "checkpoints" / "last.pt")["trainer"]["step"] == 6
 
 
-def test_anneal_by_time_starts_one_step_late_and_ends_the_run_when_the_rate_reaches_zero(tmp_path):
-    """optim.anneal=0.5 of trainer.max_minutes=1: step 4's clock passes minute 0.5; its flag, read after step 5,
-    starts the fall there, over the 5 steps that the first half of the time took. The run ends normally at
-    step 10, with the rate at 0, long before its time limit."""
+def test_anneal_by_time_starts_two_steps_late_and_ends_the_run_when_the_rate_reaches_zero(tmp_path):
+    """optim.anneal=0.5 of trainer.max_minutes=1: step 4's clock passes minute 0.5; its flag, read after step 6,
+    starts the fall there, over the 6 steps that the first half of the time took. The run ends normally at
+    step 12, with the rate at 0, long before its time limit."""
     t = make_trainer(tmp_path, "trainer.max_minutes=1", "optim.anneal=0.5", "trainer.max_epochs=null",
                      "trainer.max_steps=null", "trainer.val_every=1000", "checkpoint.every_steps=1000")
     t.clock.seconds = lambda: 30.0 * (t.step >= 3)
     assert t.train() == 0
-    assert t.step == 10
+    assert t.step == 12
     ckpt = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
-    assert ckpt["scheduler"] == {"step_num": 10, "anneal_start": 5, "anneal_steps": 5}
+    assert ckpt["scheduler"] == {"step_num": 12, "anneal_start": 6, "anneal_steps": 6}
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(x["step"], x["lr"], x["eta_s"]) for x in lines if x["split"] == "train"] == [(10, 0.0, 0.0)]
-    assert [x["step"] for x in lines if x["split"] == "valid"] == [10]
+    assert [(x["step"], x["lr"], x["eta_s"]) for x in lines if x["split"] == "train"] == [(12, 0.0, 0.0)]
+    assert [x["step"] for x in lines if x["split"] == "valid"] == [12]
 
 
 @pytest.mark.parametrize("epoch_end", [True, False])

@@ -83,6 +83,7 @@ class TrainerConfig:
     activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory
     ddp_bucket_mb: int = 25  # DDP gradient bucket size
     ddp_static_graph: bool = False  # DDP static_graph=True (the same parameters get gradients every step)
+    loss: str = "fused"  # fused (chunked, one fp32 chunk per pass, gradient written into the logits) | reference
 
 
 @dataclass
@@ -119,7 +120,8 @@ class EvalConfig:
 class BenchConfig:
     """transformer-bench (transformer/training/bench.py): warm-up, then timed optimiser steps of the training config."""
     warmup: int = 5  # untimed steps first (allocator, kernels, torch.compile)
-    steps: int = 20  # timed optimiser steps
+    steps: Optional[int] = None  # timed optimiser steps per repeat; None: 100 on a GPU, 20 on a CPU
+    repeats: int = 3  # timed windows of `steps` each, back to back: their spread (median, min, max) is reported
     synthetic: bool = False  # random batches instead of data.*: lengths below, vocabulary vocab_size
     sentences: int = 20000  # synthetic corpus size (batched by data.max_tokens like real data)
     vocab_size: int = 32000  # synthetic source and target vocabulary (the generator's cost grows with it)
@@ -128,7 +130,9 @@ class BenchConfig:
     min_len: int = 2  # shortest synthetic sentence
     max_len: int = 128  # longest synthetic sentence
     peak_tflops: Optional[float] = None  # the accelerator's peak for MFU; None: from the table of known GPUs
-    profile: bool = False  # also print the top operators of a few profiled steps (torch.profiler)
+    profile: bool = True  # profile a few more steps (torch.profiler): device busy fraction and the top operators
+    profile_steps: int = 5  # steps in the profile window
+    top: int = 15  # operators listed: kernels by self device time on a GPU, ops by self CPU time on a CPU
     out: Optional[str] = None  # also append the JSON line to this file
 
 
@@ -242,6 +246,7 @@ def check_trainer(t) -> None:
     _check(t.devices == "auto" or (t.devices.isdigit() and int(t.devices) > 0), "trainer.devices", t.devices,
            "must be auto or a positive number")
     _check(t.accelerator in ("auto", "cpu", "gpu"), "trainer.accelerator", t.accelerator, "must be auto, cpu or gpu")
+    _check(t.loss in ("fused", "reference"), "trainer.loss", t.loss, "must be one of fused, reference")
     _check(t.precision in ("auto", "fp32", "bf16", "fp16"), "trainer.precision", t.precision,
            "must be auto, fp32, bf16 or fp16")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")

@@ -8,6 +8,29 @@ from transformer.data.batch import Batch, PairDataset, collate
 from transformer.data.sampler import TokenBatchSampler
 
 
+def loader_workers(num_workers: Optional[int], device: torch.device) -> int:
+    """data.num_workers, or its default: 2 on a GPU (batches are collated while the GPU computes), 0 on a CPU
+    (where collation would take cores from the step)."""
+    if num_workers is not None:
+        return num_workers
+    return 2 if device.type == "cuda" else 0
+
+
+class EpochPlan:
+    """A batch sampler whose batches are set before each pass: one DataLoader, and with it its worker processes,
+    serves every epoch. The DataLoader iterates its batch sampler in the main process at each `iter()`, so the
+    batches (the sampler's plan of the epoch from `start`) are exactly those a fresh loader would take."""
+
+    def __init__(self):
+        self.batches: List[np.ndarray] = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
 class DataModule:
     """Train/valid splits as `PairDataset`s plus the tokenizer that made them, batched by tokens as the paper
     batches (Section 5.1: sentence pairs of similar length, a budget of source and target tokens per batch).
@@ -44,6 +67,8 @@ class DataModule:
         self.rank, self.world_size = rank, world_size
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.valid_srcs, self.valid_refs = valid_srcs, valid_refs  # raw text of the valid split, for BLEU
+        self._plan = EpochPlan()
+        self._persistent: Optional[torch.utils.data.DataLoader] = None  # the training loader with persistent workers
         self._sampler_args = dict(max_tokens=max_tokens, max_sentences=max_sentences, seed=seed, rank=rank,
                                   world_size=world_size, shuffle=True, max_tokens_by_epoch=max_tokens_by_epoch)
         self.train_sampler = TokenBatchSampler(train.src_sizes, train.tgt_sizes, **self._sampler_args)
@@ -79,9 +104,20 @@ class DataModule:
         return self._train(epoch)[1].num_batches(epoch)
 
     def train_loader(self, epoch: int, start: int = 0) -> Iterable[Batch]:
-        """This rank's batches of `epoch` from index `start` on (the sampler state the trainer saves)."""
+        """This rank's batches of `epoch` from index `start` on (the sampler state the trainer saves). With
+        loader workers, they persist from epoch to epoch (one DataLoader over an `EpochPlan`): iterate one
+        epoch's loader at a time, as the trainer does. A split rebuilt each epoch (BPE-dropout) gets a
+        loader, and workers, of its own."""
         data, sampler = self._train(epoch)
-        return self._loader(data, sampler.rank_batches(epoch, start))
+        batches = sampler.rank_batches(epoch, start)
+        if not self.num_workers or data is not self.train:
+            return self._loader(data, batches)
+        if self._persistent is None:
+            self._persistent = torch.utils.data.DataLoader(
+                self.train, batch_sampler=self._plan, collate_fn=collate, num_workers=self.num_workers,
+                pin_memory=self.pin_memory, persistent_workers=True, prefetch_factor=4)
+        self._plan.batches = batches  # read by the next iter(): the workers' queues are refilled from it
+        return self._persistent
 
     def valid_loader(self) -> Iterable[Batch]:
         """This rank's shard of the validation split (sums must be all-reduced)."""
@@ -94,7 +130,13 @@ class DataModule:
             persistent_workers=False, prefetch_factor=4 if self.num_workers else None)
 
     def close(self) -> None:
-        """Releases the splits' memory maps (the trainer calls this when it is done)."""
+        """Stops the persistent loader workers and releases the splits' memory maps (the trainer calls this
+        when it is done)."""
+        if self._persistent is not None:
+            iterator = getattr(self._persistent, "_iterator", None)
+            if iterator is not None:
+                iterator._shutdown_workers()
+            self._persistent = None
         for split in (self.train, self.valid):
             if hasattr(split, "close"):
                 split.close()

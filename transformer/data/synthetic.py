@@ -24,9 +24,10 @@ def _random_side(lengths: np.ndarray, vocab_size: int, rng: np.random.Generator)
 class SyntheticData(DataModule):
     """`cfg.bench.sentences` random pairs (the same on every rank: drawn from `cfg.seed`), sharded and
     token-bucketed by `data.max_tokens` exactly as a real corpus would be. The validation split is the
-    first 1% of them (validation is not what a benchmark measures)."""
+    first 1% of them (validation is not what a benchmark measures). `num_workers` DataLoader workers collate the
+    batches, as in training (data.num_workers, transformer.data.module.loader_workers)."""
 
-    def __init__(self, cfg, rank: int, world_size: int, pin_memory: bool = False):
+    def __init__(self, cfg, rank: int, world_size: int, pin_memory: bool = False, num_workers: int = 0):
         b = cfg.bench
         rng = np.random.default_rng(cfg.seed)
         src_len, tgt_len = synthetic_lengths(b.sentences, b, rng)
@@ -35,4 +36,4 @@ class SyntheticData(DataModule):
         valid = PairDataset(Ragged(src.data, src.offsets[:n_valid + 1]), Ragged(tgt.data, tgt.offsets[:n_valid + 1]))
         super().__init__(PairDataset(src, tgt), valid, CopyTokenizer(b.vocab_size), max_tokens=cfg.data.max_tokens,
                          max_sentences=cfg.data.max_sentences, seed=cfg.seed, rank=rank, world_size=world_size,
-                         pin_memory=pin_memory)
+                         pin_memory=pin_memory, num_workers=num_workers)

@@ -15,7 +15,7 @@ from transformer.data.batch import PairDataset, Ragged
 from transformer.data.cache import CACHE_VERSION, cache_key, ensure_cache_folder, entry_path
 from transformer.data.corpus import file_digest, read_parallel, resolve
 from transformer.data.download import MULTI30K_SHA256, DownloadError, data_root, ensure_multi30k, multi30k_file
-from transformer.data.module import DataModule
+from transformer.data.module import DataModule, loader_workers
 from transformer.data.preprocess import Options, filter_pairs, preprocess
 from transformer.data.store import MANIFEST, Preprocessed, PreprocessedError
 from transformer.data.tokenizer import encode_sources, tokenizer_from_state
@@ -209,9 +209,7 @@ def build_translation_data(cfg, env, run_dir: Optional[Path] = None) -> DataModu
 
         def train_of_epoch(epoch: int) -> PairDataset:
             return dropped.epoch(epoch) if epoch >= start else splits["train"]
-    num_workers = cfg.data.num_workers
-    if num_workers is None:
-        num_workers = 2 if env.device.type == "cuda" else 0
+    num_workers = loader_workers(cfg.data.num_workers, env.device)
     return DataModule(splits["train"], splits["valid"], tokenizer,
                       max_tokens=cfg.data.max_tokens, max_sentences=cfg.data.max_sentences, seed=cfg.seed,
                       rank=env.rank, world_size=env.world_size, num_workers=num_workers,

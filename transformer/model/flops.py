@@ -13,10 +13,14 @@ and T target positions (d = d_model, f = d_ff, V = target vocabulary, N encoder 
 forward = N·encoder layer + N_dec·decoder layer + generator; a training step costs 3 × forward (the backward
 pass computes the gradients of both operands of every product: twice the forward). Embedding lookups,
 softmax, layer norms and the loss are not matrix products and are left out, as in MFU reports
-(PaLM, Appendix B). Padded positions are counted: they are computed, just not useful, which is why
-`transformer-bench` reports real (non-pad) tokens/s next to the FLOP rate.
+(PaLM, Appendix B). `step_flops` counts the shapes the model runs on, padded positions included: computed, not useful.
+`real_flops` counts only what each sentence needs, every sentence at its own (source, target) length, as
+an unpadded (packed) run would compute it: `transformer-bench` reports MFU on that and the difference
+(padding to the batch's longest sentence, and to `trainer.pad_to_multiple`) as waste.
 """
-from typing import Iterable, Tuple
+from typing import Iterable, Sequence, Tuple
+
+import numpy as np
 
 from transformer.model.transformer import ModelArgs
 
@@ -39,3 +43,12 @@ def training_flops(args: ModelArgs, B: int, S: int, T: int) -> int:
 def step_flops(args: ModelArgs, shapes: Iterable[Tuple[int, int, int]]) -> int:
     """One optimiser step of this worker: the sum over its micro-batches' (B, S, T)."""
     return sum(training_flops(args, B, S, T) for B, S, T in shapes)
+
+
+def real_flops(args: ModelArgs, src_lens: Sequence[int], tgt_lens: Sequence[int]) -> int:
+    """Training FLOPs of sentences at their own lengths (non-pad source and target tokens of each), no padding:
+    the sum over sentences of a (1, s, t) batch's (one vectorised evaluation of the formula)."""
+    s, t = np.asarray(src_lens, dtype=np.int64), np.asarray(tgt_lens, dtype=np.int64)
+    if s.shape != t.shape:
+        raise ValueError(f"{s.shape[0]} source lengths but {t.shape[0]} target lengths")
+    return int(training_flops(args, 1, s, t).sum())

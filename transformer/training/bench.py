@@ -1,30 +1,37 @@
 """The core of `transformer-bench`: warm-up, then timed optimiser steps of the training config, through
-the trainer's own step (`Trainer._train_step`), on real data or `bench.synthetic=true` batches.
+the trainer's own step (`Trainer._train_step`), on real data or `bench.synthetic=true` batches, collated by
+the same DataLoader workers as training (data.num_workers).
 
 Reported: real (non-pad) target and source tokens/s, sentences/s, where a step's time goes (data wait on
 the host; forward+backward, the statistics all-reduce and the optimiser from CUDA events or the CPU
-clock), peak memory, model FLOPs per step (transformer/model/flops.py, from each batch's padded shapes),
-achieved FLOP/s and, on a GPU whose peak is known (or `bench.peak_tflops`), MFU = achieved / peak.
-Under torchrun every rank runs steps; tokens/s are for the whole job and MFU per GPU.
+clock), peak memory, model FLOPs per step (transformer/model/flops.py) and MFU = achieved / peak on a GPU
+whose peak is known (or `bench.peak_tflops`). Useful FLOPs are those of the real tokens, each sentence at
+its own length: what padding adds (to the batch's longest sentence, and to trainer.pad_to_multiple) is
+reported apart as waste, never as useful work. The timed steps run as `bench.repeats` windows whose spread
+is reported; then a profile window gives the device busy fraction and the top kernels (top operators on a
+CPU). Under torchrun every rank runs steps; tokens/s are for the whole job and MFU per GPU.
 """
 import itertools
 import logging
+import os
 import re
 import resource
 import subprocess
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from statistics import median
+from typing import Optional
 
 import torch
 
 from transformer import dist
 from transformer.config import ConfigError, validate
 from transformer.data.batch import PAD
-from transformer.model.flops import step_flops
+from transformer.model.flops import real_flops, step_flops
 from transformer.training import speedups
 from transformer.training.hotpath import LaggedFlag, StepTimer, TrainWindow
 from transformer.training.logs import Progress, setup_logging
+from transformer.training.profiling import profile_window, top_table
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +60,10 @@ def peak_tflops(device_name: str, compute: str) -> Optional[float]:
 
 def check_bench(cfg) -> None:
     b = cfg.bench
-    for key, ok, why in (("warmup", b.warmup >= 0, "must be >= 0"), ("steps", b.steps >= 1, "must be >= 1"),
+    for key, ok, why in (("warmup", b.warmup >= 0, "must be >= 0"),
+                         ("steps", b.steps is None or b.steps >= 1, "must be >= 1"),
+                         ("repeats", b.repeats >= 1, "must be >= 1"),
+                         ("profile_steps", b.profile_steps >= 1, "must be >= 1"), ("top", b.top >= 1, "must be >= 1"),
                          ("sentences", b.sentences >= 1, "must be >= 1"),
                          ("vocab_size", b.vocab_size > 4, "must exceed the 4 special tokens"),
                          ("min_len", b.min_len >= 1, "must be >= 1"),
@@ -72,8 +82,10 @@ def build(cfg, env):
     from transformer.training.trainer import Trainer
 
     if cfg.bench.synthetic:
+        from transformer.data.module import loader_workers
         from transformer.data.synthetic import SyntheticData
-        data = SyntheticData(cfg, env.rank, env.world_size, pin_memory=env.device.type == "cuda")
+        data = SyntheticData(cfg, env.rank, env.world_size, pin_memory=env.device.type == "cuda",
+                             num_workers=loader_workers(cfg.data.num_workers, env.device))
     else:
         from transformer.data import build_data
         cfg.data.max_tokens_by_epoch = []  # a ramp is a training schedule: the benchmark times max_tokens batches
@@ -95,13 +107,15 @@ def _sync(device: torch.device) -> None:
 
 
 class Totals:
-    """What the timed steps processed, counted on the host from the CPU batches (no device reads)."""
+    """What the timed steps processed, counted on the host from the CPU batches (no device reads): real tokens,
+    and the FLOPs of the real tokens (each sentence at its own lengths), of the batches' own padded shapes, and
+    of the shapes the model runs on (lengths padded up to `multiple`)."""
 
-    def __init__(self, multiple: int):
-        self.multiple = multiple
-        self.tgt = self.src = self.sentences = self.slots = self.flops_shapes = 0
+    def __init__(self, args, multiple: int):
+        self.args, self.multiple = args, multiple
+        self.tgt = self.src = self.sentences = self.slots = 0
+        self.flops_real = self.flops_batch = self.flops_run = 0
         self.data_s = 0.0
-        self.shapes = []
 
     def add(self, micro, data_s: float) -> None:
         self.data_s += data_s
@@ -109,16 +123,20 @@ class Totals:
             B, S = b.src.shape
             T = b.tgt_in.size(1)
             m = self.multiple
-            self.shapes.append((B, -(-S // m) * m, -(-T // m) * m))  # the padded shapes the model runs on
+            src_lens, tgt_lens = (b.src != PAD).sum(1).tolist(), (b.tgt_out != PAD).sum(1).tolist()  # CPU tensors
+            self.flops_real += real_flops(self.args, src_lens, tgt_lens)
+            self.flops_batch += step_flops(self.args, [(B, S, T)])
+            self.flops_run += step_flops(self.args, [(B, -(-S // m) * m, -(-T // m) * m)])
             self.tgt += b.n_tokens
-            self.src += int((b.src != PAD).sum())
+            self.src += sum(src_lens)
             self.sentences += B
             self.slots += B * T
 
 
-def run_steps(trainer, batches, n: int, progress: Progress, totals: Optional[Totals] = None) -> None:
+def run_steps(trainer, batches, n: int, progress: Progress, totals: Optional[Totals] = None,
+              flag: Optional[LaggedFlag] = None) -> None:
     K = trainer.tcfg.accumulate
-    window, flag = TrainWindow(), LaggedFlag()
+    window, flag = TrainWindow(), flag if flag is not None else LaggedFlag()
     for _ in range(n):
         t0 = time.perf_counter()
         micro = [next(batches) for _ in range(K)]
@@ -128,11 +146,20 @@ def run_steps(trainer, batches, n: int, progress: Progress, totals: Optional[Tot
         progress.update()
 
 
+def timed_steps(b, device: torch.device) -> int:
+    """bench.steps, or its default: 100 on a GPU (a step there is milliseconds), 20 on a CPU."""
+    if b.steps is not None:
+        return b.steps
+    return 100 if device.type == "cuda" else 20
+
+
 def measure(trainer, b) -> dict:
-    """Warm-up steps, then `b.steps` timed ones; returns the numbers of this rank."""
+    """Warm-up steps, then `b.repeats` windows of timed steps, then (bench.profile) a profile window; returns
+    the numbers of this rank. The windows share one batch stream, as one run's consecutive steps would."""
     device = trainer.env.device
+    steps = timed_steps(b, device)
     batches = endless_batches(trainer.data)
-    progress = Progress(b.warmup + b.steps, 0, trainer.tcfg.progress)
+    progress = Progress(b.warmup + steps * b.repeats, 0, trainer.tcfg.progress)
     t0 = time.perf_counter()
     run_steps(trainer, batches, b.warmup, progress)
     _sync(device)
@@ -141,16 +168,24 @@ def measure(trainer, b) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer.timer = timer = StepTimer(device)
-    totals = Totals(trainer.pad_multiple)
-    t0 = time.perf_counter()
-    run_steps(trainer, batches, b.steps, progress, totals)
-    _sync(device)
-    wall = time.perf_counter() - t0
+    windows = []  # (wall seconds, Totals) of each repeat
+    flag = LaggedFlag()  # the trainer's: its waits are the host syncs of the stop flag
+    for _ in range(b.repeats):
+        totals = Totals(trainer.model.args, trainer.pad_multiple)
+        t0 = time.perf_counter()
+        run_steps(trainer, batches, steps, progress, totals, flag)
+        _sync(device)
+        windows.append((time.perf_counter() - t0, totals))
     trainer.timer = None
     progress.close()
     phases = timer.summary()
     graphs = speedups.compiled_graphs()
-    return {"wall_s": wall, "warmup_s": warmup_s, "phases": phases, "totals": totals,
+    prof = None
+    if b.profile:
+        prof = profile_window(lambda n: run_steps(trainer, batches, n, Progress(None, 0, False)),
+                              lambda: _sync(device), device, b.profile_steps, b.top)
+    return {"steps": steps, "windows": windows, "flag_waits": flag.waits, "warmup_s": warmup_s, "phases": phases,
+            "profile": prof,
             "graphs": graphs if trainer.tcfg.compile else None,
             "graphs_during_timed": (graphs - graphs_warm) if trainer.tcfg.compile and graphs is not None else None,
             "peak_mem_gb": peak_memory_gb(device)}
@@ -162,37 +197,41 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux: the process's peak RSS
 
 
-def profile_steps(trainer, n: int = 3, rows: int = 15) -> str:
-    """torch.profiler's top operators over `n` more steps (self time on the device, or on the CPU)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = trainer.env.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    batches = endless_batches(trainer.data)
-    with profile(activities=activities) as prof:
-        run_steps(trainer, batches, n, Progress(None, 0, False))
-        _sync(trainer.env.device)
-    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=key, row_limit=rows)
+def _spread(values) -> dict:
+    return {"median": median(values), "min": min(values), "max": max(values)}
 
 
 def summarise(trainer, cfg, m: dict) -> dict:
-    """One JSON-able record: this job's throughput and, per worker, time split, memory, FLOPs and MFU."""
-    env, b, t = trainer.env, cfg.bench, m["totals"]
-    tgt, src, sents, slots = env.all_reduce_sum([t.tgt, t.src, t.sentences, t.slots])
-    wall = env.all_reduce_max([m["wall_s"]])[0]
-    flops = step_flops(trainer.model.args, t.shapes) / b.steps  # this worker's, per optimiser step
-    achieved = flops * b.steps / m["wall_s"]
+    """One JSON-able record: this job's throughput and, per worker, time split, memory, FLOPs, waste and MFU."""
+    env, b, steps = trainer.env, cfg.bench, m["steps"]
+    windows = m["windows"]
+    n = len(windows)
+    t = Totals(trainer.model.args, trainer.pad_multiple)  # all windows together
+    for key in ("tgt", "src", "sentences", "slots", "flops_real", "flops_batch", "flops_run", "data_s"):
+        setattr(t, key, sum(getattr(w, key) for _, w in windows))
+    local_wall = sum(wall for wall, _ in windows)
+    tgt, src, sents, slots, *tgt_by_window = env.all_reduce_sum(
+        [t.tgt, t.src, t.sentences, t.slots, *(w.tgt for _, w in windows)])
+    walls = env.all_reduce_max([wall for wall, _ in windows])
+    wall = sum(walls)
+    total_steps = steps * n
+    flops = t.flops_real / total_steps  # this worker's useful FLOPs per optimiser step: real tokens only
+    flops_run = t.flops_run / total_steps  # what its model computed, padding included
+    achieved, achieved_run = t.flops_real / local_wall, t.flops_run / local_wall
     name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     compute = speedups.compute_type(trainer.amp_dtype, trainer.env.device)
     peak = b.peak_tflops or (peak_tflops(name, compute) if env.device.type == "cuda" else None)
-    step_ms = 1e3 * m["wall_s"] / b.steps
-    split = {"data_wait_ms": 1e3 * t.data_s / b.steps,
+    step_ms = 1e3 * local_wall / total_steps
+    split = {"data_wait_ms": 1e3 * t.data_s / total_steps,
              **{f"{k}_ms": v for k, v in m["phases"].items()}}
     if not env.distributed:
         split["communication_ms"] = None  # one worker: nothing to communicate
     split["other_ms"] = max(step_ms - sum(v for v in split.values() if v is not None), 0.0)
     a = trainer.model.args
+    per_window = [tok / w for tok, w in zip(tgt_by_window, walls, strict=True)]
+    mfu_window = [w_t.flops_real / w / (peak * 1e12) for w, (_, w_t) in zip(walls, windows, strict=True)] if peak \
+        else None
+    prof = m["profile"]
     return {
         "device": name, "workers": env.world_size, "torch": torch.__version__, "commit": _commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"), "threads": torch.get_num_threads(),
@@ -200,20 +239,35 @@ def summarise(trainer, cfg, m: dict) -> dict:
                                              "tgt_vocab_size")},
         "params_m": round(sum(p.numel() for p in trainer.model.parameters()) / 1e6, 2),
         "data": "synthetic" if b.synthetic else cfg.data.name, "max_tokens": cfg.data.max_tokens,
+        "loader_workers": trainer.data.num_workers,
         "accumulate": trainer.tcfg.accumulate, "compute": compute, "compile": trainer.tcfg.compile,
         "pad_to_multiple": trainer.pad_multiple, "activation_checkpointing": trainer.tcfg.activation_checkpointing,
-        "warmup_steps": b.warmup, "warmup_s": m["warmup_s"], "steps": b.steps, "wall_s": wall,
+        "warmup_steps": b.warmup, "warmup_s": m["warmup_s"], "steps": steps, "repeats": n, "wall_s": wall,
         "tgt_tokens_per_s": tgt / wall, "src_tokens_per_s": src / wall, "sentences_per_s": sents / wall,
+        "tgt_tokens_per_s_spread": _spread(per_window),
         "target_padding": 1 - tgt / max(slots, 1), "step_ms": step_ms,
         **split,
         "peak_mem_gb": m["peak_mem_gb"], "peak_mem_kind": "cuda_max_allocated" if name != "cpu" else "process_rss",
-        "flops_per_step": flops, "achieved_tflops": achieved / 1e12, "peak_tflops": peak,
+        "flops_per_step": flops, "flops_computed_per_step": flops_run,
+        "waste_padding": (t.flops_batch - t.flops_real) / max(t.flops_run, 1),
+        "waste_pad_multiple": (t.flops_run - t.flops_batch) / max(t.flops_run, 1),
+        "achieved_tflops": achieved / 1e12, "achieved_tflops_computed": achieved_run / 1e12, "peak_tflops": peak,
         "mfu": achieved / (peak * 1e12) if peak else None,
+        "mfu_computed": achieved_run / (peak * 1e12) if peak else None,
+        "mfu_spread": _spread(mfu_window) if mfu_window else None,
+        "flag_waits_per_step": m["flag_waits"] / total_steps,
+        "host_syncs_per_step": prof["host_syncs"] / prof["steps"] if prof and prof["host_syncs"] is not None
+        else None,
+        "busy": prof["busy"] if prof else None, "profile_steps": prof["steps"] if prof else None,
+        "top_ops": prof["top"] if prof else None, "top_ops_kind": (
+            ("kernels_self_device" if env.device.type == "cuda" else "ops_self_cpu") if prof else None),
         "graphs": m["graphs"], "graphs_during_timed": m["graphs_during_timed"],
     }
 
 
 def _commit() -> Optional[str]:
+    if os.environ.get("BENCH_COMMIT"):  # set by benchmarks/bench_gpu.py: a copied tree may have no .git
+        return os.environ["BENCH_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
                              capture_output=True, text=True, timeout=10)
@@ -234,29 +288,49 @@ def table(r: dict) -> str:
             f"model {depth} d_model={mdl['d_model']} d_ff={mdl['d_ff']} h={mdl['h']} "
             f"vocab {mdl['src_vocab_size']}/{mdl['tgt_vocab_size']} ({r['params_m']}M params) | {r['compute']} | "
             f"compile {r['compile']} | data {r['data']} max_tokens={r['max_tokens']} accumulate={r['accumulate']}")
-    mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:g} TFLOP/s" if r["mfu"] is not None
-           else "n/a (no known peak: set bench.peak_tflops)" if r["device"] != "cpu" else "n/a on CPU")
+    if r["mfu"] is not None:
+        sp = r["mfu_spread"]
+        mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:g} TFLOP/s on real tokens (repeats {100 * sp['min']:.1f}"
+               f"-{100 * sp['max']:.1f}%); {100 * r['mfu_computed']:.1f}% counting padding")
+    else:
+        mfu = "n/a (no known peak: set bench.peak_tflops)" if r["device"] != "cpu" else "n/a on CPU"
+    sp = r["tgt_tokens_per_s_spread"]
     rows = [
-        ("target tokens/s (real)", f"{r['tgt_tokens_per_s']:,.0f}"),
+        ("target tokens/s (real)", f"{r['tgt_tokens_per_s']:,.0f}  (median of {r['repeats']} repeats "
+                                   f"{sp['median']:,.0f}, min {sp['min']:,.0f}, max {sp['max']:,.0f})"),
         ("source tokens/s (real)", f"{r['src_tokens_per_s']:,.0f}"),
         ("sentences/s", f"{r['sentences_per_s']:,.1f}"),
         ("target padding", f"{100 * r['target_padding']:.1f}%"),
-        ("step time", f"{r['step_ms']:9.2f} ms  ({r['steps']} timed steps after {r['warmup_steps']} "
-                      f"warm-up steps, {r['warmup_s']:.1f} s)"),
+        ("step time", f"{r['step_ms']:9.2f} ms  ({r['repeats']} x {r['steps']} timed steps after "
+                      f"{r['warmup_steps']} warm-up steps, {r['warmup_s']:.1f} s; loader workers "
+                      f"{r['loader_workers']})"),
         ("  data wait (host)", ms("data_wait_ms")),
         ("  forward+backward", ms("forward_backward_ms")),
         ("  communication", ms("communication_ms")),
         ("  optimizer", ms("optimizer_ms")),
         ("  other (host, not overlapped)", ms("other_ms")),
         ("peak memory", f"{r['peak_mem_gb']:.2f} GiB ({r['peak_mem_kind']})"),
-        ("model FLOPs / step", f"{r['flops_per_step'] / 1e12:.4g} TFLOP (per worker)"),
-        ("achieved", f"{r['achieved_tflops']:.4g} TFLOP/s (per worker)"),
+        ("model FLOPs / step", f"{r['flops_per_step'] / 1e12:.4g} TFLOP on real tokens (per worker); "
+                               f"{r['flops_computed_per_step'] / 1e12:.4g} computed"),
+        ("  waste: padding", f"{100 * r['waste_padding']:.1f}% of computed FLOPs (to each batch's longest)"),
+        ("  waste: pad to multiple", f"{100 * r['waste_pad_multiple']:.1f}% of computed FLOPs "
+                                     f"(trainer.pad_to_multiple={r['pad_to_multiple']})"),
+        ("achieved", f"{r['achieved_tflops']:.4g} TFLOP/s on real tokens (per worker)"),
         ("MFU", mfu),
     ]
+    rows.append(("host syncs / step", f"{r['flag_waits_per_step']:.2f} stop-flag event waits; " + (
+        f"{r['host_syncs_per_step']:.2f} synchronising calls (sync debug mode, profile window)"
+        if r["host_syncs_per_step"] is not None else "synchronising calls: n/a (GPU only)")))
+    if r["top_ops"] is not None:
+        rows.append(("device busy", f"{100 * r['busy']:.1f}% of the profile window ({r['profile_steps']} steps)"
+                     if r["busy"] is not None else f"n/a on CPU ({r['profile_steps']} steps profiled)"))
     if r["graphs"] is not None:
         rows.append(("compiled graphs", f"{r['graphs']} ({r['graphs_during_timed']} during the timed steps)"))
     width = max(len(k) for k, _ in rows)
-    return "\n".join([head, "-" * len(head.splitlines()[0])] + [f"{k:<{width}}  {v}" for k, v in rows])
+    lines = [head, "-" * len(head.splitlines()[0])] + [f"{k:<{width}}  {v}" for k, v in rows]
+    if r["top_ops"] is not None:
+        lines.append(top_table(r["top_ops"], r["top_ops_kind"] == "kernels_self_device"))
+    return "\n".join(lines)
 
 
 def run_benchmark(cfg) -> Optional[dict]:
@@ -267,29 +341,25 @@ def run_benchmark(cfg) -> Optional[dict]:
     env = dist.init(run["rank"], run["local_rank"], run["world_size"], cfg.trainer.accelerator, cfg.trainer.timeout_s)
     setup_logging(None)
     try:
-        record, prof = _measure(cfg, env)  # the trainer is gone when dist.close() runs
-        _report(record, prof, cfg.bench.out)
+        record = _measure(cfg, env)  # the trainer is gone when dist.close() runs
+        _report(record, cfg.bench.out)
         return record if env.is_main else None
     finally:
         dist.close()
 
 
-def _measure(cfg, env: dist.DistEnv) -> Tuple[dict, Optional[str]]:
+def _measure(cfg, env: dist.DistEnv) -> dict:
     trainer = build(cfg, env)
-    m = measure(trainer, cfg.bench)
-    record = summarise(trainer, cfg, m)
-    prof = profile_steps(trainer) if cfg.bench.profile else None
+    record = summarise(trainer, cfg, measure(trainer, cfg.bench))
     trainer.close()
-    return record, prof
+    return record
 
 
 @dist.rank_zero
-def _report(record: dict, prof: Optional[str], out: Optional[str]) -> None:
+def _report(record: dict, out: Optional[str]) -> None:
     import json
 
     line = json.dumps(record)
-    if prof:
-        print(prof)
     print(table(record))
     print(line, flush=True)
     if out:

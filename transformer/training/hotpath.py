@@ -5,15 +5,17 @@ queue, and the GPU then idles while the CPU prepares the next kernels. So the st
 on the device: one float64 tensor per step, `(target tokens, loss sum, nll sum, stop, late, anneal flags)`,
 all-reduced once (NCCL enqueues it; nothing waits), summed into a `TrainWindow` on the device and read only when a
 line is logged. The gradients are normalised by its token count as a device tensor. The stop flag
-(SIGTERM/SIGUSR1 seen by any rank) is read through `LaggedFlag` one step late: at the end of step s the
-host reads the flag of step s-1, whose all-reduce finished while step s was being queued, so the GPU
-always has a step of work in hand. Every rank reads the same all-reduced value after the same step, so
-all ranks stop together, at most two steps after the signal arrived. The late flag (some rank's run clock
+(SIGTERM/SIGUSR1 seen by any rank) is read through `LaggedFlag` two steps late: at the end of step s the
+host reads the flag of step s-2, copied to pinned host memory while steps s-1 and s were being queued, so
+the GPU has two steps of work in hand and the host waits only if it ran more than two steps ahead (each
+such wait is counted: `LaggedFlag.waits`). Every rank reads the same all-reduced value after the same
+step, so all ranks stop together, at most three steps after the signal arrived. The late flag (some rank's run clock
 past `trainer.max_minutes`) and the anneal flag (past the point where `optim.anneal` starts the rate's fall)
 sit beside it and are read in the same copy, so all ranks end the run, and start the fall, at the same step.
 """
 import time
-from typing import Dict, List, NamedTuple, Optional, Tuple, Union
+from collections import deque
+from typing import Deque, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -82,36 +84,49 @@ class TrainWindow:
 
 
 class LaggedFlag:
-    """Device flags read one push late without draining the GPU's queue: `push(flag)` starts an asynchronous
-    copy of `flag` (0-dim, or a vector of flags) into pinned host memory and returns the previous push's
-    value, waiting (on its CUDA event) only for the work queued before that copy. On the CPU the copy is a
-    plain read. A value is True where > 0: a bool for a 0-dim flag, a tuple of bools for a vector."""
+    """Device flags read `lag` pushes late without draining the GPU's queue: `push(flag)` starts an
+    asynchronous copy of `flag` (0-dim, or a vector of flags) into a pinned host buffer (a ring of `lag` of
+    them) and returns the value pushed `lag` pushes before (all False until then). It waits on that copy's
+    CUDA event only when the copy has not finished yet, that is when the host is more than `lag` steps ahead
+    of the GPU: `waits` counts those host syncs, `reads` all reads. On the CPU the flag itself is kept and
+    read. A value is True where > 0: a bool for a 0-dim flag, a tuple of bools for a vector. The value
+    returned never depends on timing, so every rank decides the same at the same push."""
 
-    def __init__(self):
-        self._buffers: List[torch.Tensor] = []
-        self._pending = None  # (host tensor, event or None)
-        self._turn = 0
+    def __init__(self, lag: int = 2):
+        if lag < 1:
+            raise ValueError(f"lag={lag}: must be >= 1")
+        self.lag = lag
+        self._pending: Deque[Tuple[torch.Tensor, Optional[object]]] = deque()  # (host tensor, event or None)
+        self._free: List[torch.Tensor] = []  # pinned buffers whose value has been read
+        self.waits = self.reads = 0
 
     def push(self, flag: torch.Tensor) -> Union[bool, Tuple[bool, ...]]:
-        previous = self._read() if self._pending is not None else _positive([0.0] * flag.numel(), flag.dim())
-        if flag.is_cuda:
-            if not self._buffers:  # two pinned buffers, used in turn: one is read while the other is written
-                self._buffers = [torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True) for _ in range(2)]
-            host = self._buffers[self._turn]
-            self._turn ^= 1
-            host.copy_(flag, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (host, event)
+        if len(self._pending) >= self.lag:
+            previous = self._read()
         else:
-            self._pending = (flag, None)
+            previous = _positive([0.0] * flag.numel(), flag.dim())
+        self._pending.append(self._start_copy(flag))
         return previous
 
+    def _start_copy(self, flag: torch.Tensor) -> Tuple[torch.Tensor, Optional[object]]:
+        if not flag.is_cuda:
+            return flag, None
+        host = self._free.pop() if self._free else torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return host, event
+
     def _read(self) -> Union[bool, Tuple[bool, ...]]:
-        host, event = self._pending
-        if event is not None:
+        host, event = self._pending.popleft()
+        self.reads += 1
+        if event is not None and not event.query():
+            self.waits += 1
             event.synchronize()
-        return _positive(host.reshape(-1).tolist(), host.dim())  # a host tensor by now: no device round trip
+        value = _positive(host.reshape(-1).tolist(), host.dim())  # a host tensor by now: no device round trip
+        if event is not None:
+            self._free.append(host)  # its value is read: the next copy may reuse it
+        return value
 
 
 def _positive(values: List[float], dim: int) -> Union[bool, Tuple[bool, ...]]:

@@ -7,29 +7,42 @@ differ by the entropy of q, a constant, so the gradients differ only through the
 with V = 10,000 that is a relative change of 1e-4 in each smoothing weight. Reported loss values are
 cross-entropy (not KL) so they are comparable to fairseq's.
 
-The loss is a hand-written autograd function over row chunks of the (B*T, V) logits. Written with
-log_softmax, autograd keeps an fp32 copy of the logits, their log-probabilities, and the sums of two
-gradient paths, each a full pass over B*T*V floats: on CPUs those passes cost more than the
-generator's matrix product (docs/performance.md). Here each
-chunk is cast to fp32 while it sits in cache, and the backward pass writes the gradient once, from
-d loss / d x_j = p_j - eps / (V - 1) - (1 - eps - eps / (V - 1)) [j = target].
+The loss is a hand-written autograd function over row chunks of the (B*T, V) logits, whatever their
+dtype (bf16 under autocast). Written with log_softmax, autograd keeps an fp32 copy of the logits, their
+log-probabilities, and the sums of two gradient paths, each a full pass over B*T*V floats. Here one fp32
+work buffer of a chunk's rows is allocated per pass and reused by every chunk: the forward pass casts a
+chunk into it (bf16 logits; fp32 ones are read where they are), takes each row's maximum, sum and target
+logit, overwrites it with exp(x - max) and sums that, keeping only three fp32 numbers a row (log-sum-exp,
+the target's logit, the sum of the logits). The backward pass writes the gradient once per chunk,
+d loss / d x_j = p_j - eps / (V - 1) - (1 - eps - eps / (V - 1)) [j = target],
+computed in fp32 in the buffer and stored into a gradient tensor of the logits' dtype, or (`inplace=True`,
+the trainer's call) into the logits' own storage, which nothing reads after the loss: no second
+vocabulary-sized tensor for the gradient.
 """
 
 import torch
 import torch.nn.functional as F
 
+IMPLEMENTATIONS = ("fused", "reference")  # trainer.loss
 
-def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, epsilon: float,
-                                 pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+
+def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, epsilon: float, pad_id: int,
+                                 impl: str = "fused", inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """logits (B, T, V), target (B, T) -> (smoothed loss, plain NLL), each summed over non-pad targets.
 
     Summed, not averaged: the trainer divides by the token count of the whole optimiser step
     (all micro-batches, all ranks), so every token weighs the same whatever the batch split.
+    `impl`: "fused" (the chunked autograd function) or "reference" (log_softmax and autograd, fp32).
+    `inplace`: the backward pass overwrites the logits with their gradient (for logits that nothing reads
+    after the loss; ignored for a leaf tensor, whose values are the caller's).
     Compiled graphs use `reference_label_smoothed_cross_entropy`, which the compiler fuses itself.
     """
-    if torch.compiler.is_compiling():
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"trainer.loss={impl!r}: must be one of {', '.join(IMPLEMENTATIONS)}")
+    if impl == "reference" or torch.compiler.is_compiling():
         return reference_label_smoothed_cross_entropy(logits, target, epsilon, pad_id)
-    return _ChunkedLoss.apply(logits, target, epsilon, pad_id, rows_per_chunk(logits))
+    inplace = inplace and logits.grad_fn is not None
+    return _FusedLoss.apply(logits, target, epsilon, pad_id, rows_per_chunk(logits), inplace)
 
 
 def rows_per_chunk(logits: torch.Tensor) -> int:
@@ -39,29 +52,36 @@ def rows_per_chunk(logits: torch.Tensor) -> int:
     return max(1, elements // logits.size(-1))
 
 
-class _ChunkedLoss(torch.autograd.Function):
+class _FusedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, epsilon: float, pad_id: int, chunk: int):
+    def forward(ctx, logits, target, epsilon: float, pad_id: int, chunk: int, inplace: bool):
         V = logits.size(-1)
-        x = logits.reshape(-1, V)  # (N, V), N = B*T
+        x = logits.detach().reshape(-1, V)  # (N, V), N = B*T
         t = target.reshape(-1)  # (N,)
         compute = torch.promote_types(logits.dtype, torch.float32)  # fp32, or fp64 (gradcheck)
-        lse = torch.empty(x.size(0), dtype=compute, device=x.device)  # log sum_j exp x_j
+        N = x.size(0)
+        lse = torch.empty(N, dtype=compute, device=x.device)  # log sum_j exp x_j
         x_t = torch.empty_like(lse)  # the target's logit
         x_sum = torch.empty_like(lse)  # sum_j x_j
-        for i in range(0, x.size(0), chunk):
+        work = torch.empty(min(chunk, N), V, dtype=compute, device=x.device)  # the one fp32 chunk, reused
+        for i in range(0, N, chunk):
             rows = slice(i, i + chunk)
-            c = x[rows].to(compute)  # (chunk, V)
-            lse[rows] = torch.logsumexp(c, dim=-1)
-            x_t[rows] = c.gather(1, t[rows, None]).squeeze(1)
-            x_sum[rows] = c.sum(dim=-1)
+            xc = x[rows]  # (n, V) in the logits' dtype
+            c = work[:xc.size(0)]
+            if xc.dtype != compute:  # bf16/fp16: one cast into the buffer, read from there (faster than mixed ops)
+                xc = c.copy_(xc)
+            m = xc.amax(dim=-1, keepdim=True)  # (n, 1)
+            x_sum[rows] = xc.sum(dim=-1)
+            x_t[rows] = xc.gather(1, t[rows, None]).squeeze(1)
+            torch.sub(xc, m, out=c).exp_()  # exp(x - max), in place when xc is the buffer
+            lse[rows] = c.sum(dim=-1).log_().add_(m.squeeze(1))
         # Pad positions are zeroed, not dropped: boolean indexing needs the count of kept rows on the host,
         # a GPU sync on every call.
         pad = t == pad_id  # (N,)
         nll = (lse - x_t).masked_fill_(pad, 0.0)  # -log p_target
         smooth = (V * lse - x_sum).masked_fill_(pad, 0.0)  # sum over all V classes of -log p_c
         ctx.save_for_backward(logits, t, lse, pad)
-        ctx.epsilon, ctx.chunk = epsilon, chunk
+        ctx.epsilon, ctx.chunk, ctx.inplace = epsilon, chunk, inplace
         return _summed(nll, smooth, epsilon, V)
 
     @staticmethod
@@ -74,14 +94,19 @@ class _ChunkedLoss(torch.autograd.Function):
         a = ((grad_loss + grad_nll) * keep)[:, None]
         b = ((grad_loss * eps_i) * keep)[:, None]
         c = ((grad_loss * (1.0 - eps - eps_i) + grad_nll) * keep)[:, None]
-        x = logits.reshape(-1, V)
-        grad = torch.empty_like(x)
+        x = logits.detach().reshape(-1, V)
+        grad = x if ctx.inplace else torch.empty_like(x)  # (N, V) in the logits' dtype
+        direct = grad.dtype == lse.dtype  # fp32 (fp64) logits: computed in the gradient's own rows
+        work = None if direct else torch.empty(min(ctx.chunk, x.size(0)), V, dtype=lse.dtype, device=x.device)
         for i in range(0, x.size(0), ctx.chunk):
             rows = slice(i, i + ctx.chunk)
-            # Out of place first: for fp32 logits, .to() returns the saved tensor itself.
-            g = (x[rows].to(lse.dtype) - lse[rows, None]).exp_().mul_(a[rows]).sub_(b[rows])  # (chunk, V)
-            grad[rows] = g.scatter_add_(1, t[rows, None], -c[rows])
-        return grad.view_as(logits), None, None, None, None
+            xc = x[rows]
+            g = grad[rows] if direct else work[:xc.size(0)]  # (n, V)
+            torch.sub(xc, lse[rows, None], out=g).exp_().mul_(a[rows]).sub_(b[rows])
+            g.scatter_add_(1, t[rows, None], -c[rows])
+            if not direct:
+                grad[rows] = g
+        return grad.view_as(logits), None, None, None, None, None
 
 
 def reference_label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, epsilon: float,

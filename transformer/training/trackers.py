@@ -5,9 +5,9 @@ wandb and mlflow are optional extras (`pip install 'transformer[wandb]'`, `'.[ml
 `transformer.config.check_logger` refuses a tracker whose library is missing before the run directory is made.
 A tracker run starts at the run's first event (or at its end, to record a failure) with the whole resolved
 config, receives every numeric, finite value of every event as `<split>/<name>` at the event's step (what
-TensorBoard gets), and at the end records the exit code (transformer/exit_codes.py) and its status name. The tracker run ids are kept in
-<run_dir>/trackers.json: a later launch into the same run directory (a resume after preemption) continues
-the same tracker runs, as it continues metrics.jsonl.
+TensorBoard gets), and at the end records the exit code (transformer/exit_codes.py) and its status name.
+The tracker run ids are kept in <run_dir>/trackers.json: a later launch into the same run directory (a resume
+after preemption) continues the same tracker runs, as it continues metrics.jsonl.
 """
 import json
 import logging

@@ -67,7 +67,7 @@ class Trainer:
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
         self.clock, self.quality = RunClock(), TimeToQuality(task.metrics().values())
         self._dropout = self.model.args.dropout  # P_drop the model now has
-        self.out_of_time = False  # trainer.max_minutes passed: read with the stop flag, one step late
+        self.out_of_time = False  # trainer.max_minutes passed: read with the stop flag, two steps late
         self._batch_counts = {}  # token budget -> batches of one epoch (_batches_of)
         self.ema = EMA(self.model, self.tcfg.ema_decay) if self.tcfg.ema_decay > 0 else None
         self.checkpointer = Checkpointer(run_dir, cfg.checkpoint.keep_last) if run_dir is not None else None
@@ -319,7 +319,8 @@ class Trainer:
             with sync:
                 with self.autocast():
                     logits = self.net(batch.src, batch.tgt_in)  # (B, T, V)
-                loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD)
+                loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD,
+                                                         impl=self.tcfg.loss, inplace=True)
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
             nll_sum += nll.detach()
