@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from transformer.interop import InteropError, check_out_dir, replace_dir
-from transformer.interop.names import from_marian, to_marian
+from transformer.interop.names import from_marian, marian_name, to_marian
 from transformer.specials import BOS, EOS, PAD, SPECIALS, UNK
 
 META_FILE = "transformer.json"  # what an export adds for this project's importer: languages, eval settings
@@ -215,7 +215,7 @@ def import_hf(path) -> dict:
     with torch.device("meta"):
         keys = list(Transformer(args).state_dict())
     state = from_marian(hf_state, keys, args.d_model)
-    used = {k for k in hf_state if k.endswith(_IGNORED_SUFFIXES) or k in _IGNORED} | set(_marian_keys(keys))
+    used = {k for k in hf_state if k.endswith(_IGNORED_SUFFIXES) or k in _IGNORED} | {marian_name(k)[0] for k in keys}
     extra = sorted(set(hf_state) - used)
     if extra:
         raise InteropError(f"{path}: weights with no counterpart here: {', '.join(extra[:3])}")
@@ -228,7 +228,3 @@ def import_hf(path) -> dict:
     return {"format": FORMAT, "model_args": args.to_dict(), "model": state, "tokenizer": tok_state,
             "config": config, "imported_from": str(path)}
 
-
-def _marian_keys(keys):
-    from transformer.interop.names import marian_name
-    return [marian_name(k)[0] for k in keys]
