@@ -1,6 +1,7 @@
 """transformer-export and the Hugging Face importer on small models, with the real `transformers` and
 `ctranslate2` (nothing is downloaded): same logits, same greedy output, round trips, one-line refusals."""
 import json
+import sys
 
 import pytest
 import torch
@@ -231,3 +232,10 @@ def test_pre_norm_goes_to_ctranslate2_not_hf(tmp_path, capsys):
     assert export_cli.main([str(tmp_path / "m.pt"), "--to", "ctranslate2", "--out", str(tmp_path / "ct2")]) == 0
     assert json.loads((tmp_path / "ct2" / "config.json").read_text())["decoder_start_token"] == "<s>"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ct2", "m.pt"]
+
+
+def test_reading_a_folder_without_transformers_installed_is_one_line(tmp_path, monkeypatch):
+    random_marian(tmp_path)
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when not installed
+    with pytest.raises(InteropError, match=r"needs the Python package transformers: pip install 'transformer\["):
+        load_checkpoint(tmp_path / "marian")

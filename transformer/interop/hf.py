@@ -189,8 +189,12 @@ def import_hf(path) -> dict:
     for i, s in enumerate(SPECIALS):
         if tok.token_to_id(s) != i:
             raise InteropError(f"{path}: tokenizer.json has {s} at id {tok.token_to_id(s)}, this project needs {i}")
-    from transformers import MarianMTModel
-    from transformers.utils import logging as hf_logging
+    try:
+        from transformers import MarianMTModel
+        from transformers.utils import logging as hf_logging
+    except ImportError:
+        raise InteropError(f"{path}: reading a Hugging Face model needs the Python package transformers: "
+                           "pip install 'transformer[export]'") from None
     hf_logging.disable_progress_bar()
     try:
         hf_state = MarianMTModel.from_pretrained(path, local_files_only=True, dtype=torch.float32).state_dict()
