@@ -25,6 +25,7 @@ from transformer.interop.hf import export_hf, import_hf, marian_model  # noqa: E
 
 transformers.utils.logging.disable_progress_bar()
 VARIANTS = [("decoder", False), ("all", False), ("all", True), ("none", True)]  # (tie_embeddings, tgt_vocab=seen)
+SWITCHES = [("swish", True), ("gelu", False)]  # (model.activation, model.output_bias) as released Marian models
 GREEDY = EvalConfig(beam=1, max_len_a=1.2, max_len_b=10)
 
 
@@ -53,9 +54,11 @@ def test_marian_computes_our_logits(tie, seen):
     assert bool((theirs[..., n:] == -float("inf")).all())  # tgt_vocab=seen on a shared matrix: never output
 
 
-@pytest.mark.parametrize("tie,seen", VARIANTS)
-def test_export_then_import_gives_identical_logits(tie, seen, tmp_path):
-    model, tok = trained_model(tie, seen), tokenizer(seen)
+@pytest.mark.parametrize("tie,seen,activation,output_bias", [(t, s, "relu", False) for t, s in VARIANTS]
+                         + [("all", True, a, b) for a, b in SWITCHES])
+def test_export_then_import_gives_identical_logits(tie, seen, activation, output_bias, tmp_path):
+    model = trained_model(tie, seen, activation=activation, output_bias=output_bias)
+    tok = tokenizer(seen)
     export_hf(model, tok, {}, tmp_path / "hf")
     ckpt = import_hf(tmp_path / "hf")
     assert ckpt["model_args"] == model.args.to_dict()
@@ -98,9 +101,11 @@ def ct2_logprobs(folder, tok, model, compute_type="default"):
     return [s.log_probs for s in scored], [h[0].positional for h in hyps], translator, hyps
 
 
-@pytest.mark.parametrize("tie,seen,norm_first", [(t, s, False) for t, s in VARIANTS] + [("decoder", True, True)])
-def test_ctranslate2_scores_and_greedy_equal_ours(tie, seen, norm_first, tmp_path):
-    model, tok = trained_model(tie, seen, norm_first), tokenizer(seen)
+@pytest.mark.parametrize("tie,seen,norm_first,switches", [(t, s, False, ("relu", False)) for t, s in VARIANTS]
+                         + [("decoder", True, True, ("relu", False))] + [("all", True, False, x) for x in SWITCHES])
+def test_ctranslate2_scores_and_greedy_equal_ours(tie, seen, norm_first, switches, tmp_path):
+    model = trained_model(tie, seen, norm_first, activation=switches[0], output_bias=switches[1])
+    tok = tokenizer(seen)
     export_ct2(model, tok, tmp_path / "ct2")
     theirs, ours, translator, hyps = ct2_logprobs(tmp_path / "ct2", tok, model)
     for a, b in zip(theirs, ours, strict=True):
@@ -158,7 +163,7 @@ def test_random_marian_imports_with_the_logits_transformers_computes(share, tie,
 
 
 @pytest.mark.parametrize("overrides,message", [
-    ({"activation_function": "swish"}, "activation_function='swish'"),
+    ({"activation_function": "gelu_new"}, "activation_function='gelu_new': model.activation has gelu, relu, swish"),
     ({"scale_embedding": False}, "scale_embedding=false"),
     ({"decoder_ffn_dim": 64}, "encoder_ffn_dim != decoder_ffn_dim"),
     ({"pad_token_id": 1, "decoder_start_token_id": 1, "eos_token_id": 0}, "pad/decoder start/eos ids 1/1/0"),
@@ -171,12 +176,25 @@ def test_what_does_not_map_is_refused_in_one_line(overrides, message, tmp_path, 
     assert err.count("\n") == 1 and err.startswith("transformer-translate: error: ") and message in err, err
 
 
-def test_an_output_bias_and_a_folder_without_a_model_are_refused(tmp_path):
-    hf, _ = random_marian(tmp_path)
-    hf.final_logits_bias.fill_(0.5)
+@pytest.mark.parametrize("activation", ["swish", "gelu"])
+def test_released_marian_switches_import_with_the_logits_transformers_computes(activation, tmp_path):
+    """The activation and output bias of released Marian models become model.activation and model.output_bias."""
+    hf, tok = random_marian(tmp_path, activation_function=activation)
+    with torch.no_grad():
+        hf.final_logits_bias.normal_()
     hf.save_pretrained(tmp_path / "marian")
-    with pytest.raises(InteropError, match="final_logits_bias is not zero"):
-        import_hf(tmp_path / "marian")
+    ckpt = import_hf(tmp_path / "marian")
+    assert (ckpt["model_args"]["activation"], ckpt["model_args"]["output_bias"]) == (activation, True)
+    model = Transformer(ModelArgs.from_dict(ckpt["model_args"]))
+    model.load_state_dict(ckpt["model"])
+    src, tgt_in = batch(tok)
+    with torch.no_grad():
+        theirs = hf(input_ids=src, attention_mask=(src != 0).long(), decoder_input_ids=tgt_in).logits
+    torch.testing.assert_close(our_logits(model.eval(), src, tgt_in), theirs, atol=2e-5, rtol=1e-5)
+
+
+def test_a_folder_without_a_model_or_tokenizer_is_refused(tmp_path):
+    random_marian(tmp_path)
     (tmp_path / "marian" / "tokenizer.json").unlink()
     with pytest.raises(InteropError, match="no tokenizer.json"):
         import_hf(tmp_path / "marian")

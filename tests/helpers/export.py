@@ -33,12 +33,13 @@ def tokenizer(seen: bool = False) -> BpeTokenizer:
 
 
 @functools.cache
-def trained_model(tie: str = "decoder", seen: bool = False, norm_first: bool = False, steps: int = 60) -> Transformer:
+def trained_model(tie: str = "decoder", seen: bool = False, norm_first: bool = False, steps: int = 60,
+                  activation: str = "relu", output_bias: bool = False) -> Transformer:
     """A 2+1-layer model that has memorised PAIRS (so its outputs are sentences, not one repeated token)."""
     tok = tokenizer(seen)
     torch.manual_seed(0)
     cfg = ModelConfig(N=2, N_dec=1, d_model=32, d_ff=64, h=4, dropout=0.0, tie_embeddings=tie, norm_first=norm_first,
-                      max_positions=64)
+                      max_positions=64, activation=activation, output_bias=output_bias)
     model = Transformer.from_config(cfg, tok.src_vocab_size, tok.tgt_vocab_size, shared_vocab=True)
     pairs = zip(tok.encode_src_batch(SRC), tok.encode_tgt_batch([t for _, t in PAIRS]), strict=True)
     items = [(i, np.array(s, dtype=np.int32), np.array(t, dtype=np.int32)) for i, (s, t) in enumerate(pairs)]

@@ -88,11 +88,15 @@ def ct2_spec(model, tokenizer):
     from ctranslate2.specs import common_spec, transformer_spec
 
     a = model.args
+    activation = {"relu": common_spec.Activation.RELU, "swish": common_spec.Activation.SWISH,
+                  "gelu": common_spec.Activation.GELU}[a.activation]
     spec = transformer_spec.TransformerSpec.from_config((a.N, a.N_dec), a.h, pre_norm=a.norm_first,
-                                                        activation=common_spec.Activation.RELU)
+                                                        activation=activation)
     _stack(spec.encoder, model, "encoder", model.src_embed, a.src_vocab_size)
     _stack(spec.decoder, model, "decoder", model.tgt_embed, a.tgt_vocab_size)
     spec.decoder.projection.weight = _copy(model.generator.weight[:a.tgt_vocab_size])
+    if model.generator.bias is not None:
+        spec.decoder.projection.bias = _copy(model.generator.bias[:a.tgt_vocab_size])
     src, tgt = _vocabularies(tokenizer, a)
     spec.register_source_vocabulary(src)
     spec.register_target_vocabulary(tgt)

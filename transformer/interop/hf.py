@@ -1,9 +1,10 @@
 """Hugging Face `MarianMTModel` directories: export of this project's checkpoints, import of such directories.
 
-Marian in `transformers` is this model exactly when the model is post-norm: relu feed-forward, token
-embeddings scaled by sqrt(d_model), a sinusoidal table with the same frequencies (laid out differently:
-`names.py` permutes the residual stream), key biases (ours has none: zeros, which softmax ignores), and an
-output bias (zeros). What Marian cannot hold is refused with one line (`export_refusal`, `import_hf`).
+Marian in `transformers` is this model exactly when the model is post-norm: the same feed-forward
+activation (model.activation), token embeddings scaled by sqrt(d_model), a sinusoidal table with the same
+frequencies (laid out differently: `names.py` permutes the residual stream), key biases (ours has none: zeros,
+which softmax ignores), and an output bias (model.output_bias, else zeros). What Marian cannot hold is refused
+with one line (`export_refusal`, `import_hf`).
 """
 import json
 import shutil
@@ -22,6 +23,8 @@ META_FILE = "transformer.json"  # what an export adds for this project's importe
 # biases (softmax is unchanged by a bias added to every key of a query) and the output bias (checked apart).
 _IGNORED_SUFFIXES = ("embed_positions.weight", "k_proj.bias")
 _IGNORED = ("final_logits_bias", "model.shared.weight")
+# transformers' activation_function names -> model.activation
+HF_ACTIVATIONS = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "gelu"}
 
 
 def export_refusal(args, tokenizer) -> Optional[str]:
@@ -48,7 +51,7 @@ def marian_config(args, dropout: Optional[float] = None):
         vocab_size=args.src_vocab_size, decoder_vocab_size=tgt_rows, d_model=args.d_model,
         encoder_layers=args.N, decoder_layers=args.N_dec, encoder_attention_heads=args.h,
         decoder_attention_heads=args.h, encoder_ffn_dim=args.d_ff, decoder_ffn_dim=args.d_ff,
-        activation_function="relu", dropout=p, attention_dropout=p, activation_dropout=p,
+        activation_function=args.activation, dropout=p, attention_dropout=p, activation_dropout=p,
         max_position_embeddings=args.max_positions, scale_embedding=True,
         share_encoder_decoder_embeddings=args.tie_embeddings == "all",
         tie_word_embeddings=args.tie_embeddings in ("decoder", "all"),
@@ -66,7 +69,9 @@ def marian_model(model, args=None):
     for key, t in list(hf.state_dict().items()):
         if key.endswith("k_proj.bias"):
             state[key] = torch.zeros_like(t)
-    bias = torch.zeros_like(hf.final_logits_bias)
+    bias = torch.zeros_like(hf.final_logits_bias)  # (1, rows)
+    if args.output_bias:
+        bias[0] = state.pop("lm_head.bias")
     # tokenizer.tgt_vocab=seen with a shared matrix: only the first tgt_vocab_size rows are outputs.
     bias[:, args.tgt_vocab_size:] = -float("inf")
     state["final_logits_bias"] = bias
@@ -138,8 +143,9 @@ def _import_refusal(cfg: dict) -> Optional[str]:
     if cfg.get("model_type") != "marian":
         return f"model_type={cfg.get('model_type')!r}: only Hugging Face MarianMTModel directories are imported"
     checks = [
-        (cfg.get("activation_function", "gelu") == "relu",
-         f"activation_function={cfg.get('activation_function')!r}: this project's feed-forward uses relu"),
+        (cfg.get("activation_function", "gelu") in HF_ACTIVATIONS,
+         f"activation_function={cfg.get('activation_function')!r}: model.activation has "
+         f"{', '.join(sorted(set(HF_ACTIVATIONS.values())))}"),
         (cfg.get("scale_embedding", False), "scale_embedding=false: this project scales embeddings by sqrt(d_model)"),
         (cfg.get("encoder_attention_heads") == cfg.get("decoder_attention_heads"),
          "encoder_attention_heads != decoder_attention_heads: one head count here (model.h)"),
@@ -156,15 +162,11 @@ def _import_refusal(cfg: dict) -> Optional[str]:
 
 
 def _output_rows(bias: torch.Tensor) -> int:
-    """How many leading output rows are real: the rest carry -inf (an exported tgt_vocab=seen model). Any
-    other output bias is refused."""
+    """How many leading output rows are real: the rest carry -inf (an exported tgt_vocab=seen model)."""
     finite = torch.isfinite(bias)
     n = int(finite.sum())
     if not bool(finite[:n].all()) or bool((bias[n:] != -float("inf")).any()):
         raise InteropError("final_logits_bias mixes finite and -inf values: not an output restriction this imports")
-    if bool((bias[:n] != 0).any()):
-        raise InteropError("final_logits_bias is not zero (an output-layer bias): this project's output "
-                           "layer has none")
     return n
 
 
@@ -209,17 +211,22 @@ def import_hf(path) -> dict:
     V = int(cfg["vocab_size"])
     if tok.get_vocab_size() != V:
         raise InteropError(f"{path}: tokenizer.json has {tok.get_vocab_size()} types, config.json vocab_size={V}")
-    n_out = _output_rows(hf_state["final_logits_bias"].flatten())
+    bias = hf_state["final_logits_bias"].flatten().float()
+    n_out = _output_rows(bias)
     meta = _read_json(path / META_FILE, META_FILE) if (path / META_FILE).is_file() else {}
     args = ModelArgs(N=cfg["encoder_layers"], N_dec=cfg["decoder_layers"], d_model=cfg["d_model"],
                      d_ff=cfg["encoder_ffn_dim"], h=cfg["encoder_attention_heads"], dropout=float(cfg["dropout"]),
                      norm_first=False, tie_embeddings="all" if share else "decoder" if tied else "none",
                      max_positions=cfg["max_position_embeddings"], src_vocab_size=V, tgt_vocab_size=n_out,
-                     shared_vocab=True)
+                     shared_vocab=True, activation=HF_ACTIVATIONS[cfg.get("activation_function", "gelu")],
+                     output_bias=bool((bias[:n_out] != 0).any()))
     with torch.device("meta"):
         keys = list(Transformer(args).state_dict())
-    state = from_marian(hf_state, keys, args.d_model)
-    used = {k for k in hf_state if k.endswith(_IGNORED_SUFFIXES) or k in _IGNORED} | {marian_name(k)[0] for k in keys}
+    state = from_marian(hf_state, [k for k in keys if k != "generator.bias"], args.d_model)
+    if args.output_bias:  # rows past n_out (never scored) carry -inf in Marian, zeros here
+        state["generator.bias"] = torch.where(torch.isfinite(bias), bias, torch.zeros_like(bias))
+    used = ({k for k in hf_state if k.endswith(_IGNORED_SUFFIXES) or k in _IGNORED}
+            | {marian_name(k)[0] for k in keys if k != "generator.bias"})
     extra = sorted(set(hf_state) - used)
     if extra:
         raise InteropError(f"{path}: weights with no counterpart here: {', '.join(extra[:3])}")

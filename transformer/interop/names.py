@@ -19,6 +19,7 @@ TABLE = [
     (r"src_embed\.tokens\.weight", "model.encoder.embed_tokens.weight", (1,)),
     (r"tgt_embed\.tokens\.weight", "model.decoder.embed_tokens.weight", (1,)),
     (r"generator\.weight", "lm_head.weight", (1,)),
+    (r"generator\.bias", "lm_head.bias", ()),  # Marian's final_logits_bias (1, rows): hf.py reshapes it
     (r"enc_norm\.(weight|bias)", r"model.encoder.layer_norm.\1", (0,)),
     (r"dec_norm\.(weight|bias)", r"model.decoder.layer_norm.\1", (0,)),
     (_L + r"self_attn\.([qkv])_proj\.weight", _HF_L + r"self_attn.\3_proj.weight", (1,)),
