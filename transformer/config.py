@@ -19,6 +19,7 @@ from transformer.data.config import DataConfig, TokenizerConfig
 # An absolute path: Hydra reads a relative config_path as a Python package, which fails outside the repository.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 TIE_EMBEDDINGS = ("none", "decoder", "all")
+ACTIVATIONS = ("relu", "swish", "gelu")
 
 
 class ConfigError(ValueError):
@@ -37,6 +38,8 @@ class ModelConfig:
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm (Annotated Transformer)
     tie_embeddings: str = "decoder"  # none | decoder | all (all needs one shared vocabulary)
     max_positions: int = 1024  # rows of the sinusoidal position table: the longest sequence the model takes
+    activation: str = "relu"  # feed-forward nonlinearity: relu (the paper) | swish | gelu (released Marian models)
+    output_bias: bool = False  # a bias on the pre-softmax linear layer (released Marian models have one)
 
 
 @dataclass
@@ -222,6 +225,7 @@ def check_model(m, key: str = "model") -> None:
     _check(0 <= m.dropout < 1, f"{key}.dropout", m.dropout, "must be in [0, 1)")
     _check(m.tie_embeddings in TIE_EMBEDDINGS, f"{key}.tie_embeddings", m.tie_embeddings,
            "must be " + ", ".join(TIE_EMBEDDINGS))
+    _check(m.activation in ACTIVATIONS, f"{key}.activation", m.activation, "must be " + ", ".join(ACTIVATIONS))
 
 
 def check_optim(o) -> None:

@@ -107,16 +107,20 @@ def _cpu_dropout_attention(q, k, v, mask, is_causal: bool, p: float) -> torch.Te
         return (weights @ v.to(compute)).to(v.dtype)
 
 
-class FeedForward(nn.Module):
-    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2."""
+ACTIVATIONS = {"relu": F.relu, "swish": F.silu, "gelu": F.gelu}
 
-    def __init__(self, d_model: int, d_ff: int, dropout: float):
+
+class FeedForward(nn.Module):
+    """Section 3.3: FFN(x) = max(0, x W1 + b1) W2 + b2 (relu; swish or gelu with model.activation)."""
+
+    def __init__(self, d_model: int, d_ff: int, dropout: float, activation: str = "relu"):
         super().__init__()
         self.w1, self.w2 = nn.Linear(d_model, d_ff), nn.Linear(d_ff, d_model)
         self.dropout = Dropout(dropout)
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(self.dropout(F.relu(self.w1(x))))
+        return self.w2(self.dropout(self.act(self.w1(x))))
 
 
 class SublayerConnection(nn.Module):
@@ -141,10 +145,10 @@ class SublayerConnection(nn.Module):
 class EncoderLayer(nn.Module):
     """Section 3.1: self-attention, then a position-wise feed-forward network."""
 
-    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool):
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool, activation: str = "relu"):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, dropout)
-        self.ff = FeedForward(d_model, d_ff, dropout)
+        self.ff = FeedForward(d_model, d_ff, dropout, activation)
         self.sub1 = SublayerConnection(d_model, dropout, norm_first)
         self.sub2 = SublayerConnection(d_model, dropout, norm_first)
 
@@ -156,11 +160,11 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Section 3.1: masked self-attention, attention over the encoder output, feed-forward."""
 
-    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool):
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool, activation: str = "relu"):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, dropout)
         self.cross_attn = MultiHeadAttention(d_model, h, dropout)
-        self.ff = FeedForward(d_model, d_ff, dropout)
+        self.ff = FeedForward(d_model, d_ff, dropout, activation)
         self.sub1 = SublayerConnection(d_model, dropout, norm_first)
         self.sub2 = SublayerConnection(d_model, dropout, norm_first)
         self.sub3 = SublayerConnection(d_model, dropout, norm_first)

@@ -30,6 +30,9 @@ class ModelArgs:
     src_vocab_size: int
     tgt_vocab_size: int
     shared_vocab: bool  # one vocabulary for both sides (needed by tie_embeddings=all)
+    # Defaults here only so that code building ModelArgs by hand keeps working: today's behaviour.
+    activation: str = "relu"  # feed-forward nonlinearity: relu | swish | gelu
+    output_bias: bool = False  # a bias on the generator
 
     @classmethod
     def from_config(cls, model_cfg, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool) -> "ModelArgs":
@@ -57,7 +60,9 @@ class ModelArgs:
     def upgrade(d: dict) -> dict:
         """A checkpoint's "model_args" as this version writes them (`load_checkpoint` applies it): those written
         before N_dec existed had N layers on both sides."""
-        return {**d, "N_dec": d["N"]} if "N_dec" not in d and "N" in d else d
+        d = {**d, "N_dec": d["N"]} if "N_dec" not in d and "N" in d else d
+        # Written before model.activation and model.output_bias existed: relu, no output bias.
+        return {"activation": "relu", "output_bias": False, **d} if "N" in d else d
 
 
 def sinusoidal_positions(n: int, d_model: int) -> torch.Tensor:
@@ -93,13 +98,14 @@ class Generator(nn.Linear):
     """Section 3.4's pre-softmax linear transformation, to the first `n_out` rows of its matrix: tied to a
     shared embedding, the matrix also holds source-only types that are never output."""
 
-    def __init__(self, d_model: int, rows: int, n_out: int):
-        super().__init__(d_model, rows, bias=False)
+    def __init__(self, d_model: int, rows: int, n_out: int, bias: bool = False):
+        super().__init__(d_model, rows, bias=bias)
         self.n_out = n_out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight if self.n_out == self.weight.size(0) else self.weight[:self.n_out]  # a view, no copy
-        return F.linear(x, w)  # (B, T, n_out)
+        b = self.bias if self.bias is None or self.n_out == self.bias.size(0) else self.bias[:self.n_out]
+        return F.linear(x, w, b)  # (B, T, n_out)
 
 
 class Transformer(nn.Module):
@@ -117,14 +123,16 @@ class Transformer(nn.Module):
         tgt_rows = a.src_vocab_size if a.tie_embeddings == "all" else a.tgt_vocab_size
         self.src_embed = Embedding(a.src_vocab_size, a.d_model, a.max_positions, a.dropout)
         self.tgt_embed = Embedding(tgt_rows, a.d_model, a.max_positions, a.dropout)
-        layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first)
+        layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first, a.activation)
         self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(a.N))
         self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a.N_dec))
         # Pre-norm stacks end un-normalised; a final LayerNorm closes each (post-norm already ends in one).
         self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
         self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
-        self.generator = Generator(a.d_model, tgt_rows, a.tgt_vocab_size)
+        self.generator = Generator(a.d_model, tgt_rows, a.tgt_vocab_size, bias=a.output_bias)
         self._init_weights()
+        if a.output_bias:
+            nn.init.zeros_(self.generator.bias)
         # Section 3.4: "we share the same weight matrix between the two embedding layers and the pre-softmax
         # linear transformation". Tied after init so the shared matrix gets one Xavier draw.
         if a.tie_embeddings in ("decoder", "all"):

@@ -77,8 +77,12 @@ def atomic_link(src: Path, dst: Path) -> None:
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:
-    """Loads with weights_only=True; a file holding pickled objects, or not a checkpoint of ours, is refused."""
+    """Loads with weights_only=True; a file holding pickled objects, or not a checkpoint of ours, is refused.
+    A folder is read as a Hugging Face MarianMTModel (`transformer.interop.hf.import_hf`)."""
     path = Path(path)
+    if path.is_dir():  # a Hugging Face model folder (trainer.init_from, translate): imported
+        from transformer.interop.hf import import_hf
+        return import_hf(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     try:

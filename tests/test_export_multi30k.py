@@ -1,0 +1,122 @@
+"""The exports on Multi30k: a model trained briefly on its training split, 200 validation sentences.
+
+Greedy output of the Hugging Face export and of CTranslate2 in float32 equals `transformer-translate --beam 1`
+token for token; beam 5 with the same length penalty agrees on at least 98% of sentences; CTranslate2 int8
+scores within 0.5 BLEU of float32."""
+import pytest
+import torch
+from helpers.data import MULTI30K, needs_multi30k
+from helpers.export import checkpoint, multi30k_model, read_gz
+
+from transformer.cli import translate as translate_cli
+from transformer.config import EvalConfig
+from transformer.decoding.translate import translate_sentences
+from transformer.specials import EOS
+from transformer.training.checkpoint import atomic_save
+
+transformers = pytest.importorskip("transformers")
+ctranslate2 = pytest.importorskip("ctranslate2")
+sacrebleu = pytest.importorskip("sacrebleu")
+from transformer.interop.ct2 import SUPPRESSED, export_ct2, source_tokens  # noqa: E402
+from transformer.interop.hf import export_hf  # noqa: E402
+
+pytestmark = [pytest.mark.slow, needs_multi30k]
+transformers.utils.logging.set_verbosity_error()  # generate's notes on max_length, once per call
+N_SENTENCES = 200
+TRAIN_SECONDS = 90
+LENPEN = 1.0
+# Where a beam-5 output differs, these are the rules that differ (ours: fairseq's).
+BEAM_RULES = {
+    "hf": "transformers ranks finished hypotheses by logprob / length**lenpen with the length counted without "
+          "<s> but with </s> as ours, and stops a sentence once `num_beams` are finished (early_stopping=True), as "
+          "ours; at the length limit it cuts where ours forces </s>",
+    "ct2": "CTranslate2 ranks by score / hypothesis_length**length_penalty (ours counts </s> in the length; its "
+           "length may not), stops a sentence after beam_size*patience finished hypotheses (patience 1, as ours), "
+           "and at the length limit cuts where ours forces </s>",
+}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    model, tok, _ = multi30k_model(MULTI30K, TRAIN_SECONDS)
+    folder = tmp_path_factory.mktemp("export")
+    atomic_save(checkpoint(model, tok), folder / "model.pt")
+    export_hf(model, tok, {}, folder / "hf")
+    export_ct2(model, tok, folder / "ct2")
+    export_ct2(model, tok, folder / "ct2_int8", quantization="int8")
+    src = read_gz(MULTI30K / "val.de.gz")[:N_SENTENCES]
+    ref = read_gz(MULTI30K / "val.en.gz")[:N_SENTENCES]
+    return model, tok, folder, src, ref
+
+
+def limits(tok, src, ev):
+    """Each sentence's output limit, a * source length (with </s>) + b, as the project's search sets it."""
+    return [int(ev.max_len_a * (len(ids) + 1) + ev.max_len_b) for ids in tok.encode_src_batch(src)]
+
+
+def by_limit(lims):
+    """Sentence indices grouped by output limit: the libraries take one limit per call."""
+    groups = {}
+    for i, n in enumerate(lims):
+        groups.setdefault(n, []).append(i)
+    return sorted(groups.items())
+
+
+def hf_outputs(folder, tok, src, ev):
+    hf = transformers.MarianMTModel.from_pretrained(folder / "hf", local_files_only=True).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(folder / "hf", local_files_only=True)
+    out = [None] * len(src)
+    with torch.no_grad():
+        for limit, idx in by_limit(limits(tok, src, ev)):
+            inputs = hf_tok([src[i] for i in idx], return_tensors="pt", padding=True)
+            beam = {"num_beams": ev.beam, "length_penalty": ev.lenpen, "early_stopping": True} if ev.beam > 1 else {}
+            res = hf.generate(**inputs, max_new_tokens=limit, do_sample=False, **beam)
+            for i, ids in zip(idx, res.tolist(), strict=True):
+                ids = ids[1:]  # without <s>; after </s> come pads
+                out[i] = ids[:ids.index(EOS)] if EOS in ids else ids
+    return out
+
+
+def ct2_outputs(path, tok, src, ev, compute_type="default"):
+    translator = ctranslate2.Translator(str(path), device="cpu", compute_type=compute_type)
+    tokens, lims = source_tokens(tok, src), limits(tok, src, ev)
+    out = [None] * len(src)
+    for limit, idx in by_limit(lims):
+        res = translator.translate_batch([tokens[i] for i in idx], beam_size=ev.beam, length_penalty=ev.lenpen,
+                                         max_decoding_length=limit, suppress_sequences=SUPPRESSED)
+        for i, r in zip(idx, res, strict=True):
+            out[i] = [tok.tok.token_to_id(t) for t in r.hypotheses[0]]
+    return out
+
+
+def test_greedy_outputs_equal_transformer_translate(trained, tmp_path, capsys):
+    model, tok, folder, src, _ = trained
+    ev = EvalConfig(beam=1)
+    ours = [h[0].tokens for h in translate_sentences(model, tok, src, ev)]
+    (tmp_path / "src.de").write_text("\n".join(src) + "\n", encoding="utf-8")
+    assert translate_cli.main([str(folder / "model.pt"), "--beam", "1", "--input", str(tmp_path / "src.de")]) == 0
+    assert capsys.readouterr().out.splitlines() == [tok.decode_tgt(t) for t in ours]  # the command's output
+    for name, theirs in (("hf", hf_outputs(folder, tok, src, ev)), ("ct2", ct2_outputs(folder / "ct2", tok, src, ev))):
+        differ = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
+        assert not differ, (f"{name}: greedy differs on sentences {differ[:10]}: "
+                            f"{ours[differ[0]]} vs {theirs[differ[0]]}")
+
+
+def test_beam_outputs_agree_on_98_percent(trained):
+    model, tok, folder, src, _ = trained
+    ev = EvalConfig(beam=5, lenpen=LENPEN)
+    ours = [h[0].tokens for h in translate_sentences(model, tok, src, ev)]
+    for name, theirs in (("hf", hf_outputs(folder, tok, src, ev)), ("ct2", ct2_outputs(folder / "ct2", tok, src, ev))):
+        differ = [i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b]
+        assert len(differ) <= 0.02 * len(src), (f"{name}: beam 5 differs on {len(differ)} of {len(src)} sentences "
+                                                f"({differ[:10]}); the rules that differ: {BEAM_RULES[name]}")
+
+
+def test_int8_scores_within_half_a_bleu_of_float32(trained):
+    _, tok, folder, src, ref = trained
+    ev = EvalConfig(beam=5, lenpen=LENPEN)
+    bleu = {}
+    for name, compute_type in (("ct2", "float32"), ("ct2_int8", "int8")):
+        hyps = [tok.decode_tgt(ids) for ids in ct2_outputs(folder / name, tok, src, ev, compute_type)]
+        bleu[name] = sacrebleu.corpus_bleu(hyps, [ref]).score
+    assert abs(bleu["ct2_int8"] - bleu["ct2"]) <= 0.5, bleu
