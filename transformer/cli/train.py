@@ -110,6 +110,14 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    try:
+        _main()
+    except KeyboardInterrupt:  # Ctrl-C before any worker started (a worker turns it into a stop request)
+        print("error: interrupted before training started: nothing written", file=sys.stderr)
+        sys.exit(exit_codes.ABORTED)
+
+
+def _main() -> None:
     register_configs()
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
     rank = dist.torchrun_env()

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -28,6 +29,7 @@ from transformer.tasks import build_task
 from transformer.training import speedups
 from transformer.training.checkpoint import CheckpointError, changed_settings, load_checkpoint
 from transformer.training.logs import setup_logging, start_file_log, warn
+from transformer.training.runlock import RunLock, record_holder
 from transformer.training.trainer import Trainer
 
 log = logging.getLogger("transformer")
@@ -58,10 +60,14 @@ def worker(rank: int, local_rank: int, world_size: int, cfg_dict: dict, run_dir:
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed + rank)  # different dropout masks per rank; restored exactly on resume
+    lock = None
     try:
+        lock = RunLock(run_dir) if run_dir is not None else None  # before anything reads or writes the folder
         return _train(cfg, env, run_dir, snapshot, stop, threads)  # its objects are gone when dist.close() runs
     finally:
         stop.close()
+        if lock is not None:
+            lock.release()
         dist.close()
 
 
@@ -85,18 +91,26 @@ def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[D
 
 
 class StopRequest:
-    """SIGTERM / SIGUSR1 (Slurm's warning signal) set a flag instead of killing the process: the trainer
-    finishes its step, checkpoints and exits with code 3; before training has started there is nothing
-    to save and the run ends at once with the same code."""
+    """SIGTERM / SIGUSR1 (Slurm's warning signal) and a first Ctrl-C (SIGINT) set a flag instead of killing the
+    process: the trainer finishes its step, checkpoints and exits with code 3; before training has started
+    there is nothing to save and the run ends at once with the same code. A second Ctrl-C ends the process
+    at once with code 130, writing nothing (`abort`)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self):
         self.signum: Optional[int] = None
+        self._first: Optional[float] = None  # monotonic time of the first stop signal
         self._old = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
 
     def _on_signal(self, signum, frame) -> None:
-        log.warning("received %s: stopping at the next safe point", signal.Signals(signum).name)
+        if second_ctrl_c(signum, self._first):
+            abort()
+        if self._first is not None:
+            return
+        self._first = time.monotonic()
+        hint = " (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
+        log.warning("received %s: stopping at the next safe point%s", signal.Signals(signum).name, hint)
         self.signum = signum
 
     @property
@@ -106,6 +120,25 @@ class StopRequest:
     def close(self) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
+
+
+# One Ctrl-C in a terminal reaches a worker twice: directly (the whole foreground process group gets it) and
+# through its launcher (the spawn parent or the torchrun agent, which forward it). Signals this close together
+# are one keypress; a second keypress comes later.
+SAME_CTRL_C_S = 1.0
+
+
+def second_ctrl_c(signum: int, first: Optional[float]) -> bool:
+    """A SIGINT that comes more than SAME_CTRL_C_S after the first stop signal: the user's second Ctrl-C."""
+    return signum == signal.SIGINT and first is not None and time.monotonic() - first > SAME_CTRL_C_S
+
+
+def abort() -> None:
+    """Ends this process at once, from a signal handler: no checkpoint, no flushed log, no cleanup."""
+    if dist.get_env().is_main:
+        os.write(2, b"aborted by a second Ctrl-C: nothing written since the last checkpoint; rerun the same "
+                    b"command to resume from it\n")
+    os._exit(exit_codes.ABORTED)
 
 
 def set_threads(requested: Optional[int], local_workers: int) -> int:
@@ -125,6 +158,7 @@ def accept(run_dir: Path, snapshot: Dict[str, str], trainer: Trainer) -> None:
     """The run starts: its log goes to train.log, .hydra/ records the config, and temporary files that
     killed writes of earlier attempts left in checkpoints/ are removed."""
     start_file_log(run_dir)
+    record_holder(run_dir)
     for name, text in snapshot.items():
         (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / ".hydra" / name, text)
@@ -180,10 +214,14 @@ def spawn(n: int, cfg_dict: dict, run_dir: Path, snapshot: Dict[str, str]) -> in
     ctx = mp.start_processes(_spawned, args=(n, cfg_dict, str(run_dir), store.port, snapshot), nprocs=n, join=False,
                              start_method="spawn")
 
+    first = []  # monotonic time of the first stop signal
+
     def forward(signum, frame):  # SLURM/Ctrl-C reach the parent: pass the stop request on to the workers
+        again = second_ctrl_c(signum, first[0] if first else None)  # passed on as SIGINT: the workers abort
+        first[:] = first or [time.monotonic()]
         for p in ctx.processes:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
+                os.kill(p.pid, signum if again or signum != signal.SIGINT else signal.SIGTERM)
 
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, forward)
@@ -194,8 +232,8 @@ def spawn(n: int, cfg_dict: dict, run_dir: Path, snapshot: Dict[str, str]) -> in
         while not ctx.join(grace_period=JOIN_GRACE_S):
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code == exit_codes.PREEMPTED:
-            return exit_codes.PREEMPTED
+        if e.exit_code in (exit_codes.PREEMPTED, exit_codes.ABORTED):
+            return e.exit_code
         if e.exit_code == exit_codes.USER_ERROR:
             key = f"error/{e.error_index}"
             why = store.get(key).decode() if store.check([key]) else f"worker {e.error_index}: bad input"
