@@ -232,8 +232,8 @@ def spawn(n: int, cfg_dict: dict, run_dir: Path, snapshot: Dict[str, str]) -> in
         while not ctx.join(grace_period=JOIN_GRACE_S):
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code in (exit_codes.PREEMPTED, exit_codes.ABORTED):
-            return e.exit_code
+        if e.exit_code in (exit_codes.PREEMPTED, exit_codes.ABORTED, exit_codes.DIVERGED):
+            return e.exit_code  # rank 0 has said why in one line
         if e.exit_code == exit_codes.USER_ERROR:
             key = f"error/{e.error_index}"
             why = store.get(key).decode() if store.check([key]) else f"worker {e.error_index}: bad input"

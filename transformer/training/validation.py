@@ -48,6 +48,8 @@ class Validation:
         return values
 
     def _better(self, score: float) -> bool:
+        if not math.isfinite(score):  # a NaN score never becomes best.pt (trainer.nonfinite)
+            return False
         return self.best is None or (score > self.best if self.metric.higher_is_better else score < self.best)
 
     def validate(self) -> bool:
