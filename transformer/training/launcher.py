@@ -24,6 +24,7 @@ from transformer.atomic import write_text_atomic
 from transformer.config import ConfigError, from_container, to_container
 from transformer.data import build_data
 from transformer.data.download import DownloadError
+from transformer.environment import describe, machine_error
 from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training import speedups
@@ -198,9 +199,12 @@ def _spawned(local_rank: int, world_size: int, cfg_dict: dict, run_dir: str, por
         main = local_rank == 0
         code = worker(local_rank, local_rank, world_size, cfg_dict, run_dir if main else None, store,
                       snapshot if main else None, local_world_size=world_size)
-    except USER_INPUT_ERRORS as e:
-        store.set(f"error/{local_rank}", str(e))
-        code = exit_codes.USER_ERROR
+    except Exception as e:  # one line for the parent to print: bad input, or the machine's fault
+        machine = machine_error(e, Path(run_dir))
+        if machine is None and not isinstance(e, USER_INPUT_ERRORS):
+            raise
+        store.set(f"error/{local_rank}", describe(machine, Path(run_dir)) if machine else str(e))
+        code = exit_codes.ENVIRONMENT if machine else exit_codes.USER_ERROR
     if code:
         sys.exit(code)
 
@@ -234,12 +238,12 @@ def spawn(n: int, cfg_dict: dict, run_dir: Path, snapshot: Dict[str, str]) -> in
     except mp.ProcessExitedException as e:
         if e.exit_code in (exit_codes.PREEMPTED, exit_codes.ABORTED, exit_codes.DIVERGED):
             return e.exit_code  # rank 0 has said why in one line
-        if e.exit_code == exit_codes.USER_ERROR:
+        if e.exit_code in (exit_codes.USER_ERROR, exit_codes.ENVIRONMENT):
             key = f"error/{e.error_index}"
             why = store.get(key).decode() if store.check([key]) else f"worker {e.error_index}: bad input"
             # No advice to rerun: the same command would fail the same way.
             print(f"error: {why}", file=sys.stderr)
-            return exit_codes.USER_ERROR
+            return e.exit_code
         log.error("worker %d died (%s); the other workers were stopped. Rerun the same command with "
                   "hydra.run.dir=%s to resume from its last checkpoint", e.error_index, _why(e), run_dir)
         return exit_codes.INTERNAL
