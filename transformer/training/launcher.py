@@ -29,6 +29,7 @@ from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training import speedups
 from transformer.training.checkpoint import CheckpointError, changed_settings, load_checkpoint
+from transformer.training.init_from import InitFrom, check_tokenizer, prepare_init_from, read_init_from
 from transformer.training.logs import setup_logging, start_file_log, warn
 from transformer.training.runlock import RunLock, record_holder
 from transformer.training.trainer import Trainer
@@ -74,12 +75,14 @@ def worker(rank: int, local_rank: int, world_size: int, cfg_dict: dict, run_dir:
 
 def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[Dict[str, str]], stop: "StopRequest",
            threads: int) -> int:
-    data = build_data(cfg, env, run_dir)
+    init = prepare_init_from(cfg)  # trainer.init_from: its weights and tokenizer
+    data = build_data(cfg, env, run_dir, init.tokenizer_state if init is not None else None)
+    check_tokenizer(init, data.tokenizer)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
     torch.manual_seed(cfg.seed + env.rank)
     trainer = Trainer(cfg, env, model, data, build_task(cfg), run_dir, stop)
-    restore(trainer, cfg, env)
+    restore(trainer, cfg, env, init)
     if run_dir is not None:  # accepted: only now is the run directory written to
         accept(run_dir, snapshot or {}, trainer)
     # what trainer.precision=auto resolved to: the CPU kind (or GPU) decides it, and reports need it
@@ -168,7 +171,7 @@ def accept(run_dir: Path, snapshot: Dict[str, str], trainer: Trainer) -> None:
             log.warning("removed %s, left by an interrupted checkpoint write", path)
 
 
-def restore(trainer: Trainer, cfg, env: dist.DistEnv) -> None:
+def restore(trainer: Trainer, cfg, env: dist.DistEnv, init: Optional[InitFrom] = None) -> None:
     """trainer.resume: auto = the run directory's newest good checkpoint (rank 0 picks it, all load it;
     multi-node runs need the run directory on a shared file system), none, or a path."""
     resume, path, ckpt = cfg.trainer.resume, None, None
@@ -188,8 +191,9 @@ def restore(trainer: Trainer, cfg, env: dist.DistEnv) -> None:
             warn(f"resumed with settings other than those {path} was trained with: {'; '.join(changed)}. "
                  "The run goes on with the new values; an exact continuation needs the old ones")
     elif cfg.trainer.init_from:
-        trainer.load_weights(load_checkpoint(cfg.trainer.init_from), cfg.trainer.init_from)
-        log.info("initialised weights from %s", cfg.trainer.init_from)
+        init = init if init is not None else read_init_from(cfg.trainer.init_from)
+        trainer.load_weights(init.weights, init.path)
+        log.info("initialised weights and tokenizer from %s", init.path)
 
 
 def _spawned(local_rank: int, world_size: int, cfg_dict: dict, run_dir: str, port: int,
