@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.dist import env_for, train
+from tests.helpers.cli import train_cmd
+from tests.helpers.dist import TINY, env_for, finish, kill_tree, popen, step_files, train, wait_for
 from tests.test_preprocess_cli import corpus
 from transformer import exit_codes
 from transformer.environment import FAULT_ENV, describe, machine_error
@@ -122,3 +123,29 @@ def test_a_real_full_tmpfs_then_resume(tmp_path):
         assert load_checkpoint(run / "checkpoints" / "last.pt")["trainer"]["step"] == 20
     finally:
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
+
+
+@pytest.mark.slow
+def test_a_run_directory_turning_read_only_is_one_line_exit_5_then_resumes(tmp_path):
+    """Read-only from the start is refused before the run (exit 2, test_contract); mid-run, the next checkpoint
+    write fails with EROFS."""
+    run = tmp_path / "run"
+    proc = popen(train_cmd(*TINY, f"hydra.run.dir={run}", "trainer.max_steps=100000", "checkpoint.every_steps=20"),
+                 tmp_path)
+    wait_for(lambda: step_files(run), 180, "the first checkpoint", proc)
+    mounted = subprocess.run(["mount", "--bind", "-o", "ro", str(run), str(run)], capture_output=True)
+    if mounted.returncode != 0:
+        kill_tree(proc.pid)
+        pytest.skip(f"cannot bind-mount read-only here: {mounted.stderr.decode().strip()}")
+    try:
+        err = finish(proc)
+    finally:
+        subprocess.run(["umount", str(run)], capture_output=True)
+    assert proc.returncode == exit_codes.ENVIRONMENT, err[-4000:]
+    line = one_error_line(err)
+    last = step_files(run)[-1]
+    assert "Read-only file system" in line and f"last checkpoint: {last}" in line
+    everything_loads(run)
+    step = int(last.stem.split("_")[1])
+    train(run, f"trainer.max_steps={step + 2}", cwd=tmp_path)
+    assert load_checkpoint(run / "checkpoints" / "last.pt")["trainer"]["step"] == step + 2

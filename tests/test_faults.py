@@ -12,7 +12,18 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import cli_env, train_cmd
-from tests.helpers.dist import TINY, finish, last_ckpt, popen, spawned_workers, step_files, train, wait_for
+from tests.helpers.dist import (
+    TINY,
+    finish,
+    last_ckpt,
+    popen,
+    spawned_workers,
+    step_files,
+    torchrun,
+    torchrun_cmd,
+    train,
+    wait_for,
+)
 from transformer import exit_codes
 from transformer.training import launcher
 from transformer.training.checkpoint import load_checkpoint
@@ -96,6 +107,35 @@ def test_second_ctrl_c_exits_130_without_writing(tmp_path, spawn):
     assert proc.returncode == exit_codes.ABORTED, err[-4000:]
     assert "aborted by a second Ctrl-C" in err and "Traceback" not in err and "stopped by a signal" not in err
     every_checkpoint_loads(run)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("launcher_kind", ["spawn", "torchrun"])
+def test_ctrl_c_to_the_launcher_checkpoints_on_every_worker(tmp_path, launcher_kind):
+    """The spawn parent passes a first SIGINT on as SIGTERM, torchrun's agent as SIGINT: either way the two
+    workers stop at the same step with a checkpoint (exit 3), and the same command resumes."""
+    run = tmp_path / "run"
+    cpu2 = ("trainer.accelerator=cpu",)
+    if launcher_kind == "spawn":
+        cmd = train_cmd(*TINY, f"hydra.run.dir={run}", *LONG, "trainer.devices=2", *cpu2)
+    else:
+        cmd = torchrun_cmd(*TINY, f"hydra.run.dir={run}", *LONG, *cpu2, rdzv_id="sigint")
+    proc = popen(cmd, tmp_path)
+    wait_for(lambda: step_files(run), 180, "the first checkpoint", proc)
+    proc.send_signal(signal.SIGINT)
+    err = finish(proc)
+    stopped = last_ckpt(run)["trainer"]["step"]
+    assert f"stopped by a signal at step {stopped}" in err and "aborted" not in err, err[-4000:]
+    if launcher_kind == "spawn":
+        assert proc.returncode == exit_codes.PREEMPTED, err[-4000:]
+    every_checkpoint_loads(run)
+    more = f"trainer.max_steps={stopped + 2}"
+    if launcher_kind == "spawn":
+        res = train(run, more, "trainer.devices=2", *cpu2, cwd=tmp_path)
+    else:
+        res = torchrun(run, more, *cpu2, cwd=tmp_path, rdzv_id="sigint")
+    assert f"at step {stopped}" in res.stderr
 
 
 # ---- one run per directory -------------------------------------------------------------------------------

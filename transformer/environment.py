@@ -7,6 +7,7 @@ is left and every checkpoint on disk loads.
 import errno
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -75,13 +76,28 @@ def last_checkpoint(run_dir: Optional[Path]) -> str:
 def describe(err: OSError, run_dir: Optional[Path], where: Optional[Path] = None) -> str:
     """The one line: what failed where, the free space there, the last checkpoint, what to do. `where`: the
     folder being written, for an error that names no file."""
-    path = err.filename or where or run_dir
+    path = os.fsdecode(err.filename) if err.filename else where or run_dir
     what = os.strerror(err.errno) if err.errno else str(err)
     line = f"cannot write {path or 'a file'}: {what} ({free_space(path) if path else 'free space unknown'})"
     if run_dir is not None:
         line += (f"; last checkpoint: {last_checkpoint(run_dir)}; not a bug: once there is space (or the run "
                  f"directory is back and writable) rerun the same command to resume")
     return line
+
+
+def quiet_thread_faults() -> None:
+    """A writer thread (TensorBoard's) that fails on a full or read-only disk prints no traceback: the main thread
+    meets the same error at its next write and reports it in one line. Other exceptions print as before."""
+    if getattr(threading.excepthook, "quiet_faults", False):
+        return
+    previous = threading.excepthook
+
+    def hook(args) -> None:
+        if args.exc_value is None or machine_error(args.exc_value) is None:
+            previous(args)
+
+    hook.quiet_faults = True
+    threading.excepthook = hook
 
 
 def injected_fault(path) -> None:

@@ -101,6 +101,9 @@ class MetricsLogger:
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            from transformer.environment import quiet_thread_faults
+
+            quiet_thread_faults()
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     @rank_zero
