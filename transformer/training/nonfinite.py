@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 
 
 class Diverged(Exception):
-    """The run must stop: `first`..`last` are the non-finite steps in a row (or why the weights are not finite)."""
+    """The run must stop; `why` says which steps were not finite (or that the weights are not)."""
 
     def __init__(self, why: str):
         super().__init__(why)

@@ -331,7 +331,8 @@ class Trainer(Validation, RunEnd):
             nll_sum += nll.detach()
         if self.timer is not None:
             self.timer.mark("forward_backward")
-        # Token count, loss sums and the stop, late and anneal flags travel in one tensor and one all-reduce.
+        # Token count, loss sums and the stop, late, anneal and nonfinite flags travel in one tensor and one
+        # all-reduce (the gradients are complete here: DDP reduced them in backward).
         stop = self.stop_signal is not None
         late, anneal = self._time_flags()
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
