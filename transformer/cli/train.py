@@ -71,7 +71,7 @@ def run(cfg: DictConfig) -> int:
         code = launch(to_container(cfg), run_dir, torchrun, config_snapshot(cfg) if is_main else None)
     except Exception as e:
         code = _failed(e, run_dir if is_main else None)
-    if code in (exit_codes.USER_ERROR, exit_codes.PREEMPTED) and owned:
+    if code in (exit_codes.USER_ERROR, exit_codes.PREEMPTED, exit_codes.ENVIRONMENT) and owned:
         _remove_run_dir(run_dir)  # only while it holds no checkpoint and no metrics
     return code
 
