@@ -74,7 +74,7 @@ def test_a_vanished_run_directory_is_the_machines_fault(tmp_path):
 
 
 def test_a_failed_metrics_write_names_metrics_jsonl(tmp_path, monkeypatch):
-    logger = MetricsLogger(tmp_path, tensorboard=False)
+    logger = MetricsLogger(tmp_path)
     logger.log("valid", 1, 0, val_loss=1.0)
 
     def full(*args):
@@ -83,6 +83,8 @@ def test_a_failed_metrics_write_names_metrics_jsonl(tmp_path, monkeypatch):
     monkeypatch.setattr(logger, "file", type("Full", (), {"write": full, "name": str(tmp_path / "metrics.jsonl")})())
     with pytest.raises(OSError) as e:
         logger.log("valid", 2, 0, val_loss=1.0)
+    logger.file = None
+    logger.close()
     assert describe(machine_error(e.value), None).startswith(f"cannot write {tmp_path / 'metrics.jsonl'}: No space")
 
 

@@ -114,6 +114,15 @@ def test_the_diverging_copy_run_exits_4_with_finite_checkpoints(tmp_path):
         assert all_finite(load_checkpoint(path)["model"]), path
 
 
+def wrap(model, cfg, env):
+    """The model as Trainer takes it: parallelize(model, cfg, env) where that exists (it wraps for DDP)."""
+    try:
+        from transformer.training.parallelize import parallelize
+    except ImportError:  # Trainer wraps the model itself
+        return model
+    return parallelize(model, cfg, env)
+
+
 def _nan_on_one_rank(rank: int, port: int, run_dir: str):
     torch.set_num_threads(1)
     env = join_gloo(rank, 2, port)
@@ -123,7 +132,7 @@ def _nan_on_one_rank(rank: int, port: int, run_dir: str):
         data = CopyData(cfg, cfg.seed, rank, 2)
         torch.manual_seed(0)
         model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-        t = Trainer(cfg, env, model, data, build_task(cfg), Path(run_dir))
+        t = Trainer(cfg, env, wrap(model, cfg, env), data, build_task(cfg), Path(run_dir))
         if rank == 1:
             real = trainer_module.label_smoothed_cross_entropy
 
