@@ -52,6 +52,17 @@ def test_a_full_disk_is_one_line_exit_5_and_the_same_command_resumes(tmp_path, f
     everything_loads(run)
 
 
+@pytest.mark.distributed
+def test_a_full_disk_under_two_spawned_workers_is_one_line_exit_5(tmp_path):
+    """Rank 0's write fails while rank 1 waits at the barrier: the parent prints rank 0's line once."""
+    run = tmp_path / "run"
+    res = train(run, *STEPS, "trainer.devices=2", "trainer.accelerator=cpu", cwd=tmp_path,
+                expect=exit_codes.ENVIRONMENT, env=env_for(**{FAULT_ENV: "step_00000004.pt"}))
+    line = one_error_line(res.stderr)
+    assert f"cannot write {run}/checkpoints/step_00000004.pt: No space left on device" in line
+    everything_loads(run)
+
+
 def test_a_vanished_run_directory_is_the_machines_fault(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
