@@ -299,7 +299,7 @@ class Trainer(Validation, RunEnd):
         self.step += 1
         window.add(result)
         stop, self.out_of_time, anneal, nonfinite = stop_flag.push(result.flags)  # one copy for the four
-        self.guard.observe(nonfinite, self.step - 1)  # may raise Diverged
+        self.guard.observe(nonfinite, self.step - getattr(stop_flag, "lag", 1))  # the flag's step; may raise Diverged
         if anneal and not self.scheduler.falling:
             this_epoch = self.data.num_train_batches(self.epoch)  # exact, where _batches_of estimates
             steps = fall_steps(self.cfg.optim.anneal, self.epoch, self.batch_index, self.tcfg.accumulate,
