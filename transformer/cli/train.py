@@ -123,8 +123,9 @@ def _hydra_main(cfg: DictConfig) -> None:
 def main() -> None:
     try:
         _main()
-    except KeyboardInterrupt:  # Ctrl-C before any worker started (a worker turns it into a stop request)
-        print("error: interrupted before training started: nothing written", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C while no worker listens (a worker turns it into a stop request)
+        print("error: interrupted by Ctrl-C outside training (composing the config, or closing): nothing written",
+              file=sys.stderr)
         sys.exit(exit_codes.ABORTED)
 
 
