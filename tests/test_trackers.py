@@ -232,7 +232,8 @@ def test_a_failure_is_recorded_as_failed(tmp_path, monkeypatch):
     m, series, _ = mlflow_run((run / "mlruns").as_uri())
     assert m.info.status == "FAILED" and m.data.tags["exit_code"] == str(exit_codes.INTERNAL)
     assert series == w["series"]
-    assert [exit_status(c) for c in (0, 1, 2, 3)] == ["success", "failed", "bad_input", "preempted"]
+    assert [exit_status(c) for c in (0, 1, 2, 3, 4, 5, 130)] == ["success", "failed", "bad_input", "preempted",
+                                                             "diverged", "environment", "aborted"]
 
     quiet = tmp_path / "quiet"  # failed before its first event: the trackers still hear of it
     quiet.mkdir()

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
+from transformer.environment import injected_fault
+
 
 def _umask() -> int:
     # /proc avoids os.umask's set-and-restore, which would race with threads creating files meanwhile.
@@ -46,17 +48,24 @@ def atomic_open(path, mode: str = "wb", suffix: str = ".tmp", encoding: str | No
     """`with atomic_open(path) as f: ...` writes `path` only if the block completes; an exception
     inside it (a failed checksum, say) leaves `path` untouched and no temporary file behind."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
+    except OSError as e:
+        e.filename = str(path)  # not the temporary name: the file the caller asked for
+        raise
     try:
         with contextlib.suppress(OSError):  # a file system without Unix modes keeps its own
             os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, mode, encoding=encoding) as f:
             yield f
+            injected_fault(path)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(e, OSError) and e.filename in (None, tmp):
+            e.filename = str(path)  # a failed write or flush names no file: name the one being written
         raise
     fsync_dir(path.parent)
 

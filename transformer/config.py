@@ -64,6 +64,10 @@ class TrainerConfig:
     accumulate: int = 1  # micro-batches per optimiser step
     clip_norm: Optional[float] = None  # clip the gradient's global L2 norm to this; None = no clipping
     label_smoothing: float = 0.1  # Section 5.4
+    # A step whose loss or gradients are not finite (inf/NaN): skip = its update is skipped (on the device), and
+    # the run stops (exit code 4) after more than nonfinite_skips such steps in a row; stop = it stops at the first.
+    nonfinite: str = "skip"
+    nonfinite_skips: int = 10
     val_every: int = 1000  # steps; validation also runs at every epoch end, unless val_epoch_end is false
     val_epoch_end: bool = True  # false: an epoch end is neither validated nor checkpointed
     log_every: int = 50  # steps between logged training lines (metrics.jsonl, TensorBoard, console)
@@ -254,6 +258,8 @@ def check_trainer(t) -> None:
     _check(t.precision in ("auto", "fp32", "bf16", "fp16"), "trainer.precision", t.precision,
            "must be auto, fp32, bf16 or fp16")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")
+    _check(t.nonfinite in ("skip", "stop"), "trainer.nonfinite", t.nonfinite, "must be skip or stop")
+    _check(t.nonfinite_skips >= 0, "trainer.nonfinite_skips", t.nonfinite_skips, "must be >= 0")
     _check(t.threads is None or t.threads > 0, "trainer.threads", t.threads, "must be > 0 or null")
     _check(0 <= t.ema_decay < 1, "trainer.ema_decay", t.ema_decay, "must be in [0, 1)")
     _check(all(0 <= p < 1 for p in t.dropout_by_epoch), "trainer.dropout_by_epoch", list(t.dropout_by_epoch),

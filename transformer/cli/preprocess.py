@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from transformer import exit_codes
+
 USAGE = """usage: transformer-preprocess [GROUP=OPTION ...] [KEY=VALUE ...] preprocess.out_dir=DIR
 
 Tokenises and binarises the train and valid splits of a corpus into DIR, in bounded memory and in parallel
@@ -25,7 +27,8 @@ keys:     preprocess.out_dir (required), preprocess.workers (default: all CPUs),
           tokenizer.train_sample (BPE/SentencePiece: sentences learnt from, default 1000000), data.* as for
           transformer-train
 example:  transformer-preprocess data=wmt14 tokenizer=bpe tokenizer.vocab_size=37000 preprocess.out_dir=wmt14-bin
-exit:     0 done, 2 bad input (one `error:` line, nothing written), 130 interrupted"""
+exit:     0 done, 2 bad input (one `error:` line, nothing written), 5 a full disk or read-only file system
+          (one `error:` line, nothing written), 130 interrupted"""
 
 
 def compose(overrides: List[str]):
@@ -100,13 +103,23 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from transformer.cli.compose import one_line
     from transformer.data.download import DownloadError
+    from transformer.environment import describe, machine_error
+    cfg = None
     try:
-        result = run(compose(argv))
+        cfg = compose(argv)
+        result = run(cfg)
     except (HydraException, OmegaConfBaseException, DownloadError, FileNotFoundError, ValueError) as e:
         if os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
+    except OSError as e:
+        machine = machine_error(e)  # a full disk: the staging folder is gone again, nothing half-written left
+        if machine is None:
+            raise
+        out = Path(cfg.preprocess.out_dir).expanduser() if cfg is not None and cfg.preprocess.out_dir else None
+        print(f"error: {describe(machine, None, out)}", file=sys.stderr)
+        return exit_codes.ENVIRONMENT
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
         return 130

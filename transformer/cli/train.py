@@ -17,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformer import dist, exit_codes
 from transformer.cli.compose import precheck
 from transformer.config import CONF_DIR, ConfigError, register_configs, to_container, validate
+from transformer.environment import describe, machine_error
 from transformer.tasks import build_task
 from transformer.training.launcher import USER_INPUT_ERRORS, launch
 
@@ -68,17 +69,27 @@ def run(cfg: DictConfig) -> int:
     try:
         check(cfg)
         code = launch(to_container(cfg), run_dir, torchrun, config_snapshot(cfg) if is_main else None)
-    except USER_INPUT_ERRORS as e:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
-            raise
-        print(f"error: {e}", file=sys.stderr)
-        code = exit_codes.USER_ERROR
-    except Exception:  # a bug: the whole traceback, to the console and to train.log
-        logging.getLogger("transformer").exception("internal error; please report it with this traceback")
-        code = exit_codes.INTERNAL
-    if code in (exit_codes.USER_ERROR, exit_codes.PREEMPTED) and owned:
+    except Exception as e:
+        code = _failed(e, run_dir if is_main else None)
+    if code in (exit_codes.USER_ERROR, exit_codes.PREEMPTED, exit_codes.ENVIRONMENT) and owned:
         _remove_run_dir(run_dir)  # only while it holds no checkpoint and no metrics
     return code
+
+
+def _failed(e: Exception, run_dir: Optional[Path]) -> int:
+    """The exit code of a run that raised `e`, after its one line (or, for a bug, its traceback)."""
+    machine = machine_error(e, run_dir)
+    if machine is not None:  # a full disk, a vanished run directory: transformer/environment.py
+        print(f"error: {describe(machine, run_dir)}", file=sys.stderr)
+        return exit_codes.ENVIRONMENT
+    if isinstance(e, USER_INPUT_ERRORS):
+        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise e
+        print(f"error: {e}", file=sys.stderr)
+        return exit_codes.USER_ERROR
+    # a bug: the whole traceback, to the console and to train.log
+    logging.getLogger("transformer").error("internal error; please report it with this traceback", exc_info=e)
+    return exit_codes.INTERNAL
 
 
 def _remove_run_dir(folder: Path) -> None:
@@ -110,6 +121,15 @@ def _hydra_main(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    try:
+        _main()
+    except KeyboardInterrupt:  # Ctrl-C while no worker listens (a worker turns it into a stop request)
+        print("error: interrupted by Ctrl-C outside training (composing the config, or closing): nothing written",
+              file=sys.stderr)
+        sys.exit(exit_codes.ABORTED)
+
+
+def _main() -> None:
     register_configs()
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
     rank = dist.torchrun_env()

@@ -20,14 +20,15 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'transformer.data' has no attribute {name!r}")
 
 
-def build_data(cfg, env, run_dir: Optional[Path] = None) -> "DataModule":
+def build_data(cfg, env, run_dir: Optional[Path] = None, tokenizer_state: Optional[dict] = None) -> "DataModule":
     """`env` is the `transformer.dist.DistEnv` of this worker: rank 0 prepares shared files while the
-    others wait at `env.barrier()`. `run_dir` (rank 0 only writes there) receives the tokenizer files."""
+    others wait at `env.barrier()`. `run_dir` (rank 0 only writes there) receives the tokenizer files.
+    `tokenizer_state` (trainer.init_from's): translation data is encoded with it, not a newly learnt one."""
     name = cfg.data.name
     if name == "copy":
         from transformer.data.copy import CopyData
         return CopyData(cfg, cfg.seed, env.rank, env.world_size)
     if name in ("multi30k", "files", "wmt14") or cfg.data.preprocessed:
         from transformer.data.translation import build_translation_data
-        return build_translation_data(cfg, env, run_dir)
+        return build_translation_data(cfg, env, run_dir, tokenizer_state)
     raise ValueError(f"data.name={name!r}: must be copy, multi30k, files or wmt14")

@@ -102,20 +102,25 @@ def preprocess_corpus(cfg, out_dir: Path, opts: Options, created_by: str = "tran
     return preprocess(cfg, files, out_dir, opts, tokenizer_state=tokenizer_state, info=info)
 
 
-def _cache_key(cfg, identities: Dict[str, List[str]]) -> str:
+def _cache_key(cfg, identities: Dict[str, List[str]], given: Optional[dict] = None) -> str:
     d = cfg.data
     if d.bad_pairs not in ("skip", "error"):
         raise ValueError(f"data.bad_pairs={d.bad_pairs!r}: must be skip or error")
-    return cache_key(_key_parts(cfg, {d.train_split: identities["train"], d.valid_split: identities["valid"]}))
+    parts = _key_parts(cfg, {d.train_split: identities["train"], d.valid_split: identities["valid"]})
+    if given is not None:  # trainer.init_from's tokenizer, not one learnt from these files
+        parts["tokenizer"] = {"given": cache_key(given)}
+    return cache_key(parts)
 
 
 def prepare(cfg, progress: bool = True, tokenizer_state: Optional[dict] = None,
-            expect_key: Optional[str] = None) -> Tuple[Path, str]:
+            expect_key: Optional[str] = None, given: Optional[dict] = None) -> Tuple[Path, str]:
     """(folder, key) of the cache entry of `cfg`, downloading and preprocessing as needed; with
     `tokenizer_state`, built with that tokenizer (a rank that cannot see rank 0's cache, which must
-    arrive at rank 0's `expect_key`)."""
+    arrive at rank 0's `expect_key`); with `given` (trainer.init_from's tokenizer state), encoded with it
+    instead of a tokenizer learnt from the files."""
     sources = _sources(cfg, progress)
-    key = _cache_key(cfg, sources[1])
+    key = _cache_key(cfg, sources[1], given)
+    tokenizer_state = tokenizer_state or given
     if expect_key is not None and key != expect_key:
         raise RuntimeError("this rank sees different data files than rank 0 (cache key mismatch)")
     folder = entry_path(cfg.data.cache_dir, data_root(cfg.data.root), key)
@@ -137,19 +142,20 @@ def _check_preprocessed(cfg, folder: Preprocessed) -> None:
                     "transformer-evaluate come from this run's data config)", d.preprocessed, made.get("name"), d.name)
 
 
-def _open_on_main(cfg) -> Tuple[Preprocessed, tuple]:
+def _open_on_main(cfg, tokenizer: Optional[dict]) -> Tuple[Preprocessed, tuple]:
     """Rank 0's folder, verified file by file, and what the other ranks need to open theirs."""
     given = cfg.data.preprocessed
     if given:
         folder = Preprocessed(given, verify="sha256")
         _check_preprocessed(cfg, folder)
         return folder, ("ok", str(folder.folder.absolute()), None, None)
-    path, key = prepare(cfg, progress=True)
+    path, key = prepare(cfg, progress=True, given=tokenizer)
     folder = Preprocessed(path, verify="sha256")
     return folder, ("ok", str(path.absolute()), key, folder.tokenizer_state)
 
 
-def _open_elsewhere(cfg, env, path: str, key: Optional[str], state: Optional[dict]) -> Preprocessed:
+def _open_elsewhere(cfg, env, given: Optional[dict], path: str, key: Optional[str],
+                    state: Optional[dict]) -> Preprocessed:
     """Ranks > 0 open what rank 0 verified. A cache entry missing from this rank's cache folder is rebuilt
     here with rank 0's tokenizer (data.root/cache_dir not shared); a data.preprocessed folder must be shared."""
     if key is None:
@@ -162,16 +168,18 @@ def _open_elsewhere(cfg, env, path: str, key: Optional[str], state: Optional[dic
     if not (local / MANIFEST).is_file():
         log.warning("rank %d: no preprocessed data at %s (data.root/cache_dir not shared with rank 0?): "
                     "building it on this node", env.rank, local)
-        local, _ = prepare(cfg, progress=False, tokenizer_state=state, expect_key=key)
+        local, _ = prepare(cfg, progress=False, tokenizer_state=state, expect_key=key, given=given)
     return Preprocessed(local, verify="size")
 
 
-def build_translation_data(cfg, env, run_dir: Optional[Path] = None) -> DataModule:
-    """The `DataModule` of translation data for this rank (see the module docstring)."""
+def build_translation_data(cfg, env, run_dir: Optional[Path] = None,
+                           tokenizer_state: Optional[dict] = None) -> DataModule:
+    """The `DataModule` of translation data for this rank (see the module docstring); with `tokenizer_state`
+    (trainer.init_from's), encoded with that tokenizer."""
     payload, error, folder = None, None, None
     if env.is_main:
         try:
-            folder, payload = _open_on_main(cfg)
+            folder, payload = _open_on_main(cfg, tokenizer_state)
         except Exception as e:
             if not env.distributed:
                 raise
@@ -189,7 +197,7 @@ def build_translation_data(cfg, env, run_dir: Optional[Path] = None) -> DataModu
             raise {c.__name__: c for c in _BAD_INPUT}[bad](message)
         raise RuntimeError(f"rank 0 failed to prepare the data: {message}")
     if folder is None:
-        folder = _open_elsewhere(cfg, env, *payload[1:])
+        folder = _open_elsewhere(cfg, env, tokenizer_state, *payload[1:])
     tokenizer = tokenizer_from_state(folder.tokenizer_state)
     if env.is_main and run_dir is not None:
         tokenizer.save(Path(run_dir))

@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from transformer.atomic import atomic_open, fsync_dir
+from transformer.environment import machine_error
 from transformer.model.transformer import ModelArgs
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,30 @@ def atomic_save(obj, path: Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_open(path, "wb") as f:
-        torch.save(obj, f)
+        writes = _Writes(f)
+        try:
+            torch.save(obj, writes)
+        except RuntimeError:  # torch's writer turns a failed write into "unexpected pos ...": the real cause
+            if writes.error is not None:
+                raise writes.error from None
+            raise
+
+
+class _Writes:
+    """A file torch.save writes to, which keeps the OSError of a failed write (a full disk, say)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def atomic_link(src: Path, dst: Path) -> None:
@@ -69,9 +93,15 @@ def atomic_link(src: Path, dst: Path) -> None:
     tmp.unlink(missing_ok=True)
     try:
         os.link(src, tmp)
-    except OSError:
+    except OSError as e:
+        if machine_error(e) is not None:  # a full disk: no copy would fit either
+            raise
         import shutil
-        shutil.copyfile(src, tmp)
+        try:
+            shutil.copyfile(src, tmp)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
     os.replace(tmp, dst)
     fsync_dir(dst.parent)
 
@@ -146,6 +176,7 @@ class Checkpointer:
 
     def save(self, state: dict, step: int, is_best: bool) -> Path:
         path = self.folder / f"step_{step:08d}.pt"
+        self.folder.mkdir(exist_ok=True)  # not its parents: a run directory that vanished is not made again
         atomic_save(state, path)
         atomic_link(path, self.folder / "last.pt")
         if is_best:

@@ -2,7 +2,7 @@
 
 On a GPU every `.item()`, `float(tensor)` or `.tolist()` stalls the CPU until the GPU has drained its
 queue, and the GPU then idles while the CPU prepares the next kernels. So the step's statistics stay
-on the device: one float64 tensor per step, `(target tokens, loss sum, nll sum, stop, late, anneal flags)`,
+on the device: one float64 tensor per step, `(target tokens, loss sum, nll sum, stop, late, anneal, nonfinite)`,
 all-reduced once (NCCL enqueues it; nothing waits), summed into a `TrainWindow` on the device and read only when a
 line is logged. The gradients are normalised by its token count as a device tensor. The stop flag
 (SIGTERM/SIGUSR1 seen by any rank) is read through `LaggedFlag` two steps late: at the end of step s the
@@ -11,7 +11,8 @@ the GPU has two steps of work in hand and the host waits only if it ran more tha
 such wait is counted: `LaggedFlag.waits`). Every rank reads the same all-reduced value after the same
 step, so all ranks stop together, at most three steps after the signal arrived. The late flag (some rank's run clock
 past `trainer.max_minutes`) and the anneal flag (past the point where `optim.anneal` starts the rate's fall)
-sit beside it and are read in the same copy, so all ranks end the run, and start the fall, at the same step.
+sit beside it and are read in the same copy, so all ranks end the run, and start the fall, at the same step;
+so does the nonfinite flag (some rank's loss or the gradients are inf/NaN: transformer/training/nonfinite.py).
 """
 import time
 from collections import deque
@@ -19,7 +20,7 @@ from typing import Deque, Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-STATS = ("tokens", "loss", "nll", "stop", "late", "anneal")  # the entries of a step's statistics tensor
+STATS = ("tokens", "loss", "nll", "stop", "late", "anneal", "nonfinite")  # the entries of a step's statistics tensor
 
 
 class StepResult(NamedTuple):
@@ -28,18 +29,19 @@ class StepResult(NamedTuple):
     loss: torch.Tensor  # label-smoothed loss summed over those tokens
     nll: torch.Tensor
     grad_norm: Optional[torch.Tensor]  # total gradient norm before clipping (trainer.clip_norm set)
-    stats: torch.Tensor  # (6,) float64: tokens, loss, nll, stop, late, anneal
+    stats: torch.Tensor  # (7,) float64: tokens, loss, nll, stop, late, anneal, nonfinite
 
     @property
     def flags(self) -> torch.Tensor:
-        """(3,) (stop, late, anneal), each > 0 when any rank raised it at this step: a stop signal received,
-        the run clock past trainer.max_minutes, past (1 - optim.anneal) * max_minutes. Read as one by LaggedFlag."""
+        """(4,) (stop, late, anneal, nonfinite), each > 0 when any rank raised it at this step: a stop signal
+        received, the run clock past trainer.max_minutes, past (1 - optim.anneal) * max_minutes, a loss or
+        gradient not finite. Read as one by LaggedFlag."""
         return self.stats[3:]
 
 
 def new_stats(device: torch.device, tokens: int, loss: torch.Tensor, nll: torch.Tensor, stop: bool,
-              late: bool = False, anneal: bool = False) -> torch.Tensor:
-    """(6,) float64 on `device`. Python numbers enter through fill_ (a kernel argument, not a host-to-device
+              late: bool = False, anneal: bool = False, nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(7,) float64 on `device`. Python numbers enter through fill_ (a kernel argument, not a host-to-device
     copy from pageable memory, which would wait for the GPU); the sums are device-to-device copies."""
     stats = torch.empty(len(STATS), dtype=torch.float64, device=device)
     stats[0].fill_(tokens)
@@ -48,6 +50,10 @@ def new_stats(device: torch.device, tokens: int, loss: torch.Tensor, nll: torch.
     stats[3].fill_(float(stop))
     stats[4].fill_(float(late))
     stats[5].fill_(float(anneal))
+    if nonfinite is None:
+        stats[6].fill_(0.0)
+    else:
+        stats[6].copy_(nonfinite)
     return stats
 
 

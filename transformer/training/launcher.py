@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -23,12 +24,15 @@ from transformer.atomic import write_text_atomic
 from transformer.config import ConfigError, from_container, to_container
 from transformer.data import build_data
 from transformer.data.download import DownloadError
+from transformer.environment import describe, machine_error
 from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training import speedups
 from transformer.training.checkpoint import CheckpointError, changed_settings, load_checkpoint
+from transformer.training.init_from import InitFrom, check_tokenizer, prepare_init_from, read_init_from
 from transformer.training.logs import setup_logging, start_file_log, warn
 from transformer.training.parallelize import parallelize
+from transformer.training.runlock import RunLock, record_holder
 from transformer.training.trainer import Trainer
 
 log = logging.getLogger("transformer")
@@ -59,21 +63,27 @@ def worker(rank: int, local_rank: int, world_size: int, cfg_dict: dict, run_dir:
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed + rank)  # different dropout masks per rank; restored exactly on resume
+    lock = None
     try:
+        lock = RunLock(run_dir) if run_dir is not None else None  # before anything reads or writes the folder
         return _train(cfg, env, run_dir, snapshot, stop, threads)  # its objects are gone when dist.close() runs
     finally:
         stop.close()
+        if lock is not None:
+            lock.release()
         dist.close()
 
 
 def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[Dict[str, str]], stop: "StopRequest",
            threads: int) -> int:
-    data = build_data(cfg, env, run_dir)
+    init = prepare_init_from(cfg)  # trainer.init_from: its weights and tokenizer
+    data = build_data(cfg, env, run_dir, init.tokenizer_state if init is not None else None)
+    check_tokenizer(init, data.tokenizer)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
     torch.manual_seed(cfg.seed + env.rank)
     trainer = Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), run_dir, stop)
-    restore(trainer, cfg, env)
+    restore(trainer, cfg, env, init)
     if run_dir is not None:  # accepted: only now is the run directory written to
         accept(run_dir, snapshot or {}, trainer)
     # what trainer.precision=auto resolved to: the CPU kind (or GPU) decides it, and reports need it
@@ -83,25 +93,35 @@ def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[D
     try:
         code = trainer.train()
     except BaseException as e:  # the experiment trackers record the failure too
-        trainer.metrics.close(exit_codes.USER_ERROR if isinstance(e, USER_INPUT_ERRORS) else exit_codes.INTERNAL)
+        code = (exit_codes.ENVIRONMENT if machine_error(e, run_dir) else exit_codes.USER_ERROR
+                if isinstance(e, USER_INPUT_ERRORS) else exit_codes.INTERNAL)
+        trainer.metrics.close(code)
         raise
     trainer.close(code)
     return code
 
 
 class StopRequest:
-    """SIGTERM / SIGUSR1 (Slurm's warning signal) set a flag instead of killing the process: the trainer
-    finishes its step, checkpoints and exits with code 3; before training has started there is nothing
-    to save and the run ends at once with the same code."""
+    """SIGTERM / SIGUSR1 (Slurm's warning signal) and a first Ctrl-C (SIGINT) set a flag instead of killing the
+    process: the trainer finishes its step, checkpoints and exits with code 3; before training has started
+    there is nothing to save and the run ends at once with the same code. A second Ctrl-C ends the process
+    at once with code 130, writing nothing (`abort`)."""
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def __init__(self):
         self.signum: Optional[int] = None
+        self._first: Optional[float] = None  # monotonic time of the first stop signal
         self._old = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
 
     def _on_signal(self, signum, frame) -> None:
-        log.warning("received %s: stopping at the next safe point", signal.Signals(signum).name)
+        if second_ctrl_c(signum, self._first):
+            abort()
+        if self._first is not None:
+            return
+        self._first = time.monotonic()
+        hint = " (Ctrl-C again to abort without saving)" if signum == signal.SIGINT else ""
+        log.warning("received %s: stopping at the next safe point%s", signal.Signals(signum).name, hint)
         self.signum = signum
 
     @property
@@ -111,6 +131,25 @@ class StopRequest:
     def close(self) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
+
+
+# One Ctrl-C in a terminal reaches a worker twice: directly (the whole foreground process group gets it) and
+# through its launcher (the spawn parent or the torchrun agent, which forward it). Signals this close together
+# are one keypress; a second keypress comes later.
+SAME_CTRL_C_S = 1.0
+
+
+def second_ctrl_c(signum: int, first: Optional[float]) -> bool:
+    """A SIGINT that comes more than SAME_CTRL_C_S after the first stop signal: the user's second Ctrl-C."""
+    return signum == signal.SIGINT and first is not None and time.monotonic() - first > SAME_CTRL_C_S
+
+
+def abort() -> None:
+    """Ends this process at once, from a signal handler: no checkpoint, no flushed log, no cleanup."""
+    if dist.get_env().is_main:
+        os.write(2, b"aborted by a second Ctrl-C: nothing written since the last checkpoint; rerun the same "
+                    b"command to resume from it\n")
+    os._exit(exit_codes.ABORTED)
 
 
 def set_threads(requested: Optional[int], local_workers: int) -> int:
@@ -130,6 +169,7 @@ def accept(run_dir: Path, snapshot: Dict[str, str], trainer: Trainer) -> None:
     """The run starts: its log goes to train.log, .hydra/ records the config, and temporary files that
     killed writes of earlier attempts left in checkpoints/ are removed."""
     start_file_log(run_dir)
+    record_holder(run_dir)
     for name, text in snapshot.items():
         (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / ".hydra" / name, text)
@@ -138,7 +178,7 @@ def accept(run_dir: Path, snapshot: Dict[str, str], trainer: Trainer) -> None:
             log.warning("removed %s, left by an interrupted checkpoint write", path)
 
 
-def restore(trainer: Trainer, cfg, env: dist.DistEnv) -> None:
+def restore(trainer: Trainer, cfg, env: dist.DistEnv, init: Optional[InitFrom] = None) -> None:
     """trainer.resume: auto = the run directory's newest good checkpoint (rank 0 picks it, all load it;
     multi-node runs need the run directory on a shared file system), none, or a path."""
     resume, path, ckpt = cfg.trainer.resume, None, None
@@ -158,8 +198,9 @@ def restore(trainer: Trainer, cfg, env: dist.DistEnv) -> None:
             warn(f"resumed with settings other than those {path} was trained with: {'; '.join(changed)}. "
                  "The run goes on with the new values; an exact continuation needs the old ones")
     elif cfg.trainer.init_from:
-        trainer.load_weights(load_checkpoint(cfg.trainer.init_from), cfg.trainer.init_from)
-        log.info("initialised weights from %s", cfg.trainer.init_from)
+        init = init if init is not None else read_init_from(cfg.trainer.init_from)
+        trainer.load_weights(init.weights, init.path)
+        log.info("initialised weights and tokenizer from %s", init.path)
 
 
 def _spawned(local_rank: int, world_size: int, cfg_dict: dict, run_dir: str, port: int,
@@ -169,9 +210,12 @@ def _spawned(local_rank: int, world_size: int, cfg_dict: dict, run_dir: str, por
         main = local_rank == 0
         code = worker(local_rank, local_rank, world_size, cfg_dict, run_dir if main else None, store,
                       snapshot if main else None, local_world_size=world_size)
-    except USER_INPUT_ERRORS as e:
-        store.set(f"error/{local_rank}", str(e))
-        code = exit_codes.USER_ERROR
+    except Exception as e:  # one line for the parent to print: bad input, or the machine's fault
+        machine = machine_error(e, Path(run_dir))
+        if machine is None and not isinstance(e, USER_INPUT_ERRORS):
+            raise
+        store.set(f"error/{local_rank}", describe(machine, Path(run_dir)) if machine else str(e))
+        code = exit_codes.ENVIRONMENT if machine else exit_codes.USER_ERROR
     if code:
         sys.exit(code)
 
@@ -185,10 +229,14 @@ def spawn(n: int, cfg_dict: dict, run_dir: Path, snapshot: Dict[str, str]) -> in
     ctx = mp.start_processes(_spawned, args=(n, cfg_dict, str(run_dir), store.port, snapshot), nprocs=n, join=False,
                              start_method="spawn")
 
+    first = []  # monotonic time of the first stop signal
+
     def forward(signum, frame):  # SLURM/Ctrl-C reach the parent: pass the stop request on to the workers
+        again = second_ctrl_c(signum, first[0] if first else None)  # passed on as SIGINT: the workers abort
+        first[:] = first or [time.monotonic()]
         for p in ctx.processes:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGTERM if signum == signal.SIGINT else signum)
+                os.kill(p.pid, signum if again or signum != signal.SIGINT else signal.SIGTERM)
 
     for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(s, forward)
@@ -199,14 +247,14 @@ def spawn(n: int, cfg_dict: dict, run_dir: Path, snapshot: Dict[str, str]) -> in
         while not ctx.join(grace_period=JOIN_GRACE_S):
             pass
     except mp.ProcessExitedException as e:
-        if e.exit_code == exit_codes.PREEMPTED:
-            return exit_codes.PREEMPTED
-        if e.exit_code == exit_codes.USER_ERROR:
+        if e.exit_code in (exit_codes.PREEMPTED, exit_codes.ABORTED, exit_codes.DIVERGED):
+            return e.exit_code  # rank 0 has said why in one line
+        if e.exit_code in (exit_codes.USER_ERROR, exit_codes.ENVIRONMENT):
             key = f"error/{e.error_index}"
             why = store.get(key).decode() if store.check([key]) else f"worker {e.error_index}: bad input"
             # No advice to rerun: the same command would fail the same way.
             print(f"error: {why}", file=sys.stderr)
-            return exit_codes.USER_ERROR
+            return e.exit_code
         log.error("worker %d died (%s); the other workers were stopped. Rerun the same command with "
                   "hydra.run.dir=%s to resume from its last checkpoint", e.error_index, _why(e), run_dir)
         return exit_codes.INTERNAL

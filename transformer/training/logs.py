@@ -51,7 +51,7 @@ def setup_logging(run_dir: Path | None) -> None:
 def start_file_log(run_dir: Path) -> None:
     """The run is accepted: the lines logged so far, and all later ones, go to <run_dir>/train.log."""
     root = logging.getLogger()
-    fh = logging.FileHandler(Path(run_dir) / "train.log")
+    fh = _FileHandler(Path(run_dir) / "train.log")
     fh.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] %(message)s"))
     for h in list(root.handlers):
         if isinstance(h, logging.handlers.MemoryHandler):
@@ -60,6 +60,14 @@ def start_file_log(run_dir: Path) -> None:
             root.removeHandler(h)
             h.close()
     root.addHandler(fh)
+
+
+class _FileHandler(logging.FileHandler):
+    """train.log: a line that cannot be written (a full disk) is dropped silently, as the console has it, instead
+    of logging's traceback per line; the run's next checkpoint or metrics write reports the disk."""
+
+    def handleError(self, record) -> None:
+        pass
 
 
 def gpu_stats(device: torch.device) -> dict:
@@ -97,6 +105,9 @@ class MetricsLogger:
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
+            from transformer.environment import quiet_thread_faults
+
+            quiet_thread_faults()
             self.writer = SummaryWriter(str(self.run_dir / "tensorboard"))
         self._open_trackers()
 
@@ -116,9 +127,13 @@ class MetricsLogger:
         record.update({k: (float(v) if isinstance(v, (float, int)) and not isinstance(v, bool) else v)
                        for k, v in values.items()})
         if self.file is not None:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
-            os.fsync(self.file.fileno())
+            try:
+                self.file.write(json.dumps(record) + "\n")
+                self.file.flush()
+                os.fsync(self.file.fileno())
+            except OSError as e:  # a full disk: name the file (transformer/environment.py reports it)
+                e.filename = e.filename or self.file.name
+                raise
         if self.writer is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)) and math.isfinite(v):

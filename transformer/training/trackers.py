@@ -25,8 +25,9 @@ IDS_FILE = "trackers.json"  # {tracker: run id} of the run directory
 
 
 def exit_status(code: int) -> str:
-    return {exit_codes.OK: "success", exit_codes.PREEMPTED: "preempted", exit_codes.USER_ERROR: "bad_input"}.get(
-        code, "failed")
+    return {exit_codes.OK: "success", exit_codes.PREEMPTED: "preempted", exit_codes.USER_ERROR: "bad_input",
+            exit_codes.DIVERGED: "diverged", exit_codes.ENVIRONMENT: "environment",
+            exit_codes.ABORTED: "aborted"}.get(code, "failed")
 
 
 def numeric(values: dict) -> Dict[str, float]:

@@ -27,6 +27,7 @@ from transformer.training.ema import EMA
 from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
+from transformer.training.nonfinite import Diverged, NonfiniteGuard, check_weights, diverged_line
 from transformer.training.optim import build_optimizer, fall_steps
 from transformer.training.parallelize import Parallelized
 from transformer.training.quality import RunClock, TimeToQuality
@@ -75,6 +76,7 @@ class Trainer:
         self.validator = Validator(task, data, env, self.metrics, metric=self.metric,
                                    label_smoothing=self.tcfg.label_smoothing, patience=cfg.eval.patience,
                                    autocast=parallel.autocast, clock=self.clock, quality=self.quality)
+        self.guard = NonfiniteGuard(self.tcfg, self.optimizer, self.scaler)  # trainer.nonfinite
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -148,6 +150,8 @@ class Trainer:
         progress = Progress(self.total_steps, self.step, self.tcfg.progress)
         try:
             code = self._loop(progress)
+        except Diverged as e:  # the same step on every rank: the flag is all-reduced, the weights are the same
+            code = self._diverged(e.why)
         finally:
             progress.close()
         if code == 0:
@@ -293,7 +297,8 @@ class Trainer:
         self.batch_index += len(micro)
         self.step += 1
         window.add(result)
-        stop, self.out_of_time, anneal = stop_flag.push(result.flags)  # one copy for the three
+        stop, self.out_of_time, anneal, nonfinite = stop_flag.push(result.flags)  # one copy for the four
+        self.guard.observe(nonfinite, self.step - stop_flag.lag)  # the flag's step; may raise Diverged
         if anneal and not self.scheduler.falling:
             this_epoch = self.data.num_train_batches(self.epoch)  # exact, where _batches_of estimates
             steps = fall_steps(self.cfg.optim.anneal, self.epoch, self.batch_index, self.tcfg.accumulate,
@@ -326,20 +331,24 @@ class Trainer:
             nll_sum += nll.detach()
         if self.timer is not None:
             self.timer.mark("forward_backward")
-        # Token count, loss sums and the stop, late and anneal flags travel in one tensor and one all-reduce.
+        # Token count, loss sums and the stop, late, anneal and nonfinite flags travel in one tensor and one
+        # all-reduce (the gradients are complete here: DDP reduced them in backward).
         stop = self.stop_signal is not None
         late, anneal = self._time_flags()
-        stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, stop, late, anneal))
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        nonfinite = self.guard.flag(loss_sum, grads)
+        stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, stop, late, anneal,
+                                               nonfinite))
         if self.timer is not None:
             self.timer.mark("communication")
         self.scaler.unscale_(self.optimizer)
         # DDP averaged the ranks' gradients of summed losses; turn that into the gradient of the mean over tokens.
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, (self.env.world_size / stats[0].clamp(min=1.0)).float())
         grad_norm = None
         if self.tcfg.clip_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm).detach()
-        self.scaler.step(self.optimizer)  # fp16 only: the scaler reads its inf check here (a sync)
+        with self.guard.skipping(self.optimizer, stats):
+            self.scaler.step(self.optimizer)  # fp16 only: the scaler reads its inf check here (a sync)
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -373,6 +382,8 @@ class Trainer:
         return self.env.broadcast_object(bool(files) and files[0][0] == self.step)
 
     def save(self, is_best: bool) -> None:
+        check_weights([*self.model.parameters(), *(self.ema.shadow.values() if self.ema is not None else [])],
+                      self.step)
         state = self.state_dict()  # collective
         self._write(state, is_best)
         self.env.barrier()  # nobody runs ahead (or exits) before the file is on disk
@@ -382,6 +393,12 @@ class Trainer:
         if self.checkpointer is not None:
             path = self.checkpointer.save(state, self.step, is_best)
             log.info("checkpoint %s%s", path, " (best)" if is_best else "")
+
+    def _diverged(self, why: str) -> int:
+        """The one line of a diverged run (trainer.nonfinite); nothing more is saved."""
+        files = self.checkpointer.step_files() if self.checkpointer is not None else []
+        rank_zero(log.error)(diverged_line(why, self.step, self.scheduler.lr(), str(files[0][1]) if files else None))
+        return exit_codes.DIVERGED
 
     def close(self, code: int = 0) -> None:
         """`code`: how the run ended (transformer/exit_codes.py), for the experiment trackers."""

@@ -97,6 +97,8 @@ class Validator:
 
     def better(self, score: float) -> bool:
         """Whether `score` beats the best so far (the first score always does)."""
+        if not math.isfinite(score):  # a NaN score never becomes best.pt (trainer.nonfinite)
+            return False
         return self.best is None or (score > self.best if self.metric.higher_is_better else score < self.best)
 
     def validate(self, model: torch.nn.Module, step: int, epoch: int, ema: Optional[EMA] = None) -> bool:

@@ -1,0 +1,54 @@
+"""trainer.init_from fine-tunes on another corpus with the checkpoint's tokenizer: the same word keeps its id (it
+used to learn a new vocabulary of the same size, whose ids meant other words). A config asking for another
+tokenizer is refused with one line naming both settings."""
+from pathlib import Path
+
+from tests.helpers.cli import train_cmd
+from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, write_corpus
+from tests.helpers.dist import run_cli
+from tests.test_preprocess_cli import TRAIN
+from transformer import exit_codes
+from transformer.data.tokenizer import tokenizer_from_state
+from transformer.training.checkpoint import load_checkpoint
+
+
+def files_data(folder: Path, words: int) -> list:
+    """A corpus of the small sentences plus `words` extra numbered words: two corpora, two vocabularies."""
+    de = [f"{TRAIN_DE[i % 8][:-1]} wort{i % words} ." for i in range(64)]
+    en = [f"{TRAIN_EN[i % 8][:-1]} word{i % words} ." for i in range(64)]
+    return ["data=files", f"data.files.train={write_corpus(folder, 'train', de, en)}",
+            f"data.files.val={write_corpus(folder, 'val', VAL_DE, VAL_EN)}", "tokenizer.min_freq=1"]
+
+
+def run(tmp_path: Path, name: str, *overrides: str, expect: int = 0):
+    return run_cli(train_cmd(*TRAIN, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / name}", *overrides),
+                   tmp_path, expect=expect)
+
+
+def test_init_from_keeps_the_checkpoints_tokenizer_on_another_corpus(tmp_path):
+    first, second = files_data(tmp_path / "c1", 5), files_data(tmp_path / "c2", 11)
+    run(tmp_path, "base", *first)
+    base = load_checkpoint(tmp_path / "base" / "checkpoints" / "last.pt")
+    run(tmp_path, "tuned", *second, f"trainer.init_from={tmp_path / 'base' / 'checkpoints' / 'last.pt'}")
+    tuned = load_checkpoint(tmp_path / "tuned" / "checkpoints" / "last.pt")
+    assert tuned["tokenizer"] == base["tokenizer"]
+    # What a run on the second corpus learns by itself is another vocabulary: the test can fail.
+    run(tmp_path, "fresh", *second)
+    fresh = load_checkpoint(tmp_path / "fresh" / "checkpoints" / "last.pt")
+    assert fresh["tokenizer"] != base["tokenizer"]
+    sentence = f"{TRAIN_DE[0][:-1]} wort3 wort9 ."
+    ids = [tokenizer_from_state(ck["tokenizer"]).encode_src(sentence) for ck in (base, tuned, fresh)]
+    assert ids[1] == ids[0] and ids[2] != ids[0]
+
+
+def test_init_from_refuses_a_config_asking_for_another_tokenizer(tmp_path):
+    data = files_data(tmp_path / "c1", 5)
+    run(tmp_path, "base", *data)
+    ckpt = tmp_path / "base" / "checkpoints" / "last.pt"
+    before = sorted(p.name for p in tmp_path.iterdir())
+    res = run(tmp_path, "tuned", *data, "tokenizer.min_freq=2", f"trainer.init_from={ckpt}",
+              expect=exit_codes.USER_ERROR)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert f"trainer.init_from={ckpt}" in errors[0] and "tokenizer.min_freq=2 (the checkpoint's: 1)" in errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # the refused run's directory is gone again

@@ -1,0 +1,58 @@
+"""trainer.init_from: a new run that starts from a trained model keeps that model's vocabulary.
+
+The weights' embedding rows and output logits mean the tokens of the tokenizer they were trained with, so a
+fine-tuning run on another corpus encodes it with the checkpoint's tokenizer (its saved state), never a newly
+learnt one: the same word gets the same id. A config whose tokenizer settings differ from those the checkpoint
+was trained with asks for another vocabulary, which the weights cannot use: refused with one line naming both.
+
+`read_init_from` is the one place where init_from's source is read; a reader of another format (a Hugging Face
+folder, say) returns the same `InitFrom`.
+"""
+from dataclasses import dataclass, field
+from typing import Optional
+
+from transformer.config import ConfigError, to_container
+from transformer.training.checkpoint import load_checkpoint
+
+
+@dataclass
+class InitFrom:
+    path: str
+    weights: dict  # what Trainer.load_weights takes: {"model_args": ..., "model": state dict}
+    tokenizer_state: dict  # tokenizer_from_state() rebuilds the tokenizer the weights were trained with
+    config: dict = field(default_factory=dict)  # the config it was trained with ({} if unknown)
+
+
+def read_init_from(path: str) -> InitFrom:
+    ckpt = load_checkpoint(path)
+    return InitFrom(path, ckpt, ckpt["tokenizer"], ckpt.get("config") or {})
+
+
+def prepare_init_from(cfg) -> Optional[InitFrom]:
+    """trainer.init_from's weights and tokenizer, once its tokenizer settings are checked against the config's;
+    None without init_from."""
+    if not cfg.trainer.init_from:
+        return None
+    init = read_init_from(cfg.trainer.init_from)
+    state, where = init.tokenizer_state, f"trainer.init_from={init.path}"
+    asked = []
+    saved, mine = init.config.get("tokenizer") or {}, to_container(cfg).get("tokenizer") or {}
+    if state.get("name") != "copy":
+        asked = [f"tokenizer.{k}={mine[k]!r} (the checkpoint's: {saved[k]!r})"
+                 for k in sorted(saved.keys() & mine.keys()) if saved[k] != mine[k]]
+        for side in ("src_lang", "tgt_lang"):
+            if state.get(side) and state[side] != cfg.data[side]:
+                asked.append(f"data.{side}={cfg.data[side]!r} (the checkpoint's: {state[side]!r})")
+    if asked:
+        raise ConfigError(f"{where} is fine-tuned with its own tokenizer ({state.get('name')}), whose ids its weights "
+                          f"were trained on, but this config asks for another: {'; '.join(asked)}. Drop those "
+                          "settings, or train a new model without trainer.init_from")
+    return init
+
+
+def check_tokenizer(init: Optional[InitFrom], tokenizer) -> None:
+    """The data's tokenizer is the checkpoint's (a data.preprocessed folder, or the copy task's, makes its own)."""
+    if init is not None and tokenizer.state_dict() != init.tokenizer_state:
+        raise ConfigError(f"trainer.init_from={init.path}: the data is encoded with another tokenizer than the one "
+                          "its weights were trained with (a data.preprocessed folder made with another tokenizer, or "
+                          "other data.copy settings): use data of the checkpoint's tokenizer")
