@@ -67,7 +67,7 @@ class TrainerConfig:
     # A step whose loss or gradients are not finite (inf/NaN): skip = its update is skipped (on the device), and
     # the run stops (exit code 4) after more than nonfinite_skips such steps in a row; stop = it stops at the first.
     nonfinite: str = "skip"
-    nonfinite_skips: int = 10
+    nonfinite_skips: int = 10  # non-finite steps in a row that trainer.nonfinite=skip tolerates before it stops
     val_every: int = 1000  # steps; validation also runs at every epoch end, unless val_epoch_end is false
     val_epoch_end: bool = True  # false: an epoch end is neither validated nor checkpointed
     log_every: int = 50  # steps between logged training lines (metrics.jsonl, TensorBoard, console)
