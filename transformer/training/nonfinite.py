@@ -58,7 +58,7 @@ class NonfiniteGuard:
             del optimizer.found_inf
 
     def observe(self, nonfinite: bool, step: int) -> None:
-        """`step`'s flag, read one step late; raises Diverged once too many came in a row."""
+        """`step`'s flag, read `LaggedFlag.lag` steps late; raises Diverged once too many came in a row."""
         if not nonfinite:
             self.in_a_row, self.first = 0, None
             return

@@ -290,7 +290,7 @@ class Trainer:
 
     def _train_step(self, micro, window: TrainWindow, stop_flag: LaggedFlag):
         """One optimiser step and its bookkeeping, with no host sync. Returns the step's result and the
-        stop flag of the step before (read one step late: transformer/training/hotpath.py), the same on all ranks."""
+        flags of two steps before (read late: transformer/training/hotpath.py), the same on all ranks."""
         result = self._optimizer_step(micro)
         if self.ema is not None:
             self.ema.update()
