@@ -10,6 +10,7 @@ from torch import nn
 from transformer.model.cache import DecoderCache
 from transformer.model.dropout import Dropout, check_rate
 from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention
+from transformer.model.projections import StackedLinear, fuse_projections, replay_linear_init, split_projections
 from transformer.specials import PAD
 
 
@@ -102,6 +103,10 @@ class Generator(nn.Linear):
         return F.linear(x, w)  # (B, T, n_out)
 
 
+def _fuse_old_keys(module, state: dict, prefix: str, *args) -> None:
+    fuse_projections(state, prefix)
+
+
 class Transformer(nn.Module):
     """Encoder-decoder with N encoder and N_dec decoder layers (N each side in the paper); `encode` and `decode`
     can be called separately."""
@@ -115,15 +120,19 @@ class Transformer(nn.Module):
         # Tied to the source, the target's matrix is the shared one; its first tgt_vocab_size rows are the
         # target's types (tokenizer.tgt_vocab=seen numbers them first), the only ones the generator scores.
         tgt_rows = a.src_vocab_size if a.tie_embeddings == "all" else a.tgt_vocab_size
-        self.src_embed = Embedding(a.src_vocab_size, a.d_model, a.max_positions, a.dropout)
-        self.tgt_embed = Embedding(tgt_rows, a.d_model, a.max_positions, a.dropout)
-        layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first)
-        self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(a.N))
-        self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a.N_dec))
-        # Pre-norm stacks end un-normalised; a final LayerNorm closes each (post-norm already ends in one).
-        self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
-        self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
-        self.generator = Generator(a.d_model, tgt_rows, a.tgt_vocab_size)
+        with torch.random.fork_rng(devices=[]):  # the constructors' draws are discarded: _init_weights replays them
+            self.src_embed = Embedding(a.src_vocab_size, a.d_model, a.max_positions, a.dropout)
+            self.tgt_embed = Embedding(tgt_rows, a.d_model, a.max_positions, a.dropout)
+            layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first)
+            self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(a.N))
+            self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a.N_dec))
+            # The keys and values of the encoder output for every decoder layer in one product: layer i's
+            # keys are rows [2i·d_model, (2i+1)·d_model), its values the next d_model rows (values have a bias).
+            self.memory_kv_proj = StackedLinear(a.d_model, a.d_model, biased=(False, True) * a.N_dec)
+            # Pre-norm stacks end un-normalised; a final LayerNorm closes each (post-norm already ends in one).
+            self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
+            self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
+            self.generator = Generator(a.d_model, tgt_rows, a.tgt_vocab_size)
         self._init_weights()
         # Section 3.4: "we share the same weight matrix between the two embedding layers and the pre-softmax
         # linear transformation". Tied after init so the shared matrix gets one Xavier draw.
@@ -131,6 +140,8 @@ class Transformer(nn.Module):
             self.generator.weight = self.tgt_embed.tokens.weight
         if a.tie_embeddings == "all":
             self.src_embed.tokens.weight = self.tgt_embed.tokens.weight
+        # Checkpoints written with separate q/k/v projections load into the stacked ones.
+        self.register_load_state_dict_pre_hook(_fuse_old_keys)
 
     @classmethod
     def from_config(cls, model_cfg, src_vocab_size: int, tgt_vocab_size: int,
@@ -138,8 +149,12 @@ class Transformer(nn.Module):
         """A new model from the `model` config section and the data's vocabularies."""
         return cls(ModelArgs.from_config(model_cfg, src_vocab_size, tgt_vocab_size, shared_vocab))
 
+    @torch.no_grad()
     def _init_weights(self) -> None:
-        for p in self.parameters():
+        """Xavier-uniform matrices, each (d_out, d_in) part of a stacked projection drawn on its own, in the order
+        and with the draws of the model with separate projections: the same seed gives the same weights."""
+        replay_linear_init(self)
+        for p in split_projections(self.state_dict(keep_vars=True), views=True).values():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
         for emb in (self.src_embed.tokens, self.tgt_embed.tokens):
@@ -154,20 +169,28 @@ class Transformer(nn.Module):
             x = layer(x, src_mask)
         return self.enc_norm(x), src_mask
 
+    def project_memory(self, memory: torch.Tensor) -> torch.Tensor:
+        """memory (B, S, d_model) -> the cross-attention keys and values of every decoder layer, one product:
+        (N_dec, 2, B, h, S, d_k), [i, 0] layer i's keys, [i, 1] its values."""
+        B, S, _ = memory.shape
+        h = self.args.h
+        kv = self.memory_kv_proj(memory).view(B, S, self.args.N_dec, 2, h, self.args.d_model // h)
+        return kv.permute(2, 3, 0, 4, 1, 5)  # (N_dec, 2, B, h, S, d_k)
+
     def new_cache(self, memory: torch.Tensor, src_mask: torch.Tensor) -> DecoderCache:
-        return DecoderCache([layer.cross_attn.project_kv(memory) for layer in self.decoder], src_mask)
+        return DecoderCache(self.project_memory(memory), src_mask)
 
     def decode(self, tgt_in: torch.Tensor, memory: Optional[torch.Tensor] = None,
                src_mask: Optional[torch.Tensor] = None, cache: Optional[DecoderCache] = None) -> torch.Tensor:
         """tgt_in (B, T) -> logits (B, T, V). With `cache`, tgt_in holds only the new positions (usually T=1):
         earlier ones come from the cache, which is extended."""
         if cache is None:
-            cross_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
+            cross_kv = self.project_memory(memory)  # (N_dec, 2, B, h, S, d_k)
             self_caches = [None] * len(self.decoder)
         else:
             cross_kv, self_caches, src_mask = cache.cross_kv, cache.self_attn, cache.src_mask
         x = self.tgt_embed(tgt_in, offset=cache.length if cache is not None else 0)
-        for layer, kv, layer_cache in zip(self.decoder, cross_kv, self_caches, strict=False):
+        for layer, kv, layer_cache in zip(self.decoder, cross_kv, self_caches, strict=True):
             x = layer(x, kv, src_mask, cache=layer_cache)
         return self.generator(self.dec_norm(x))  # (B, T, V)
 
