@@ -8,6 +8,7 @@ from torch import nn
 
 from transformer.model.dropout import Dropout, keep_mask, uses_keep_mask
 from transformer.model.projections import StackedLinear
+from transformer.model.residual import dropout_add, dropout_add_norm, norm_to, stream_dtype
 
 
 def no_cudnn_attention(device: torch.device) -> None:
@@ -139,8 +140,14 @@ class SublayerConnection(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.dropout = Dropout(dropout)
         self.norm_first = norm_first
+        self.bf16_residual = False  # Transformer.set_bf16_residual: the stream in bf16 under bf16 autocast
 
     def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+        dtype = stream_dtype(x) if self.bf16_residual else None
+        if dtype is not None:  # transformer/model/residual.py: one fused function under torch.compile
+            if self.norm_first:
+                return dropout_add(x, sublayer(norm_to(self.norm, x, dtype)), self.dropout, dtype)
+            return dropout_add_norm(x, sublayer(x), self.dropout, self.norm, dtype)
         if self.norm_first:
             return x + self.dropout(sublayer(self.norm(x)))
         return self.norm(x + self.dropout(sublayer(x)))

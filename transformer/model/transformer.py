@@ -11,6 +11,7 @@ from transformer.model.cache import DecoderCache
 from transformer.model.dropout import Dropout, check_rate
 from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention
 from transformer.model.projections import StackedLinear, fuse_projections, replay_linear_init, split_projections
+from transformer.model.residual import norm_to, stream_dtype
 from transformer.specials import PAD
 
 
@@ -81,13 +82,16 @@ class Embedding(nn.Module):
         # Not persistent: recomputed, so checkpoints stay small and max_positions can grow after training.
         self.register_buffer("pe", sinusoidal_positions(max_positions, d_model), persistent=False)
         self.dropout = Dropout(dropout)
+        self.bf16_residual = False
 
     def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         T = ids.size(1)
         if offset + T > self.pe.size(0):
             self.pe = sinusoidal_positions(2 * (offset + T), self.pe.size(1)).to(self.pe.device)
         x = self.tokens(ids) * self.scale  # (B, T, d_model)
-        return self.dropout(x + self.pe[offset:offset + T].to(x.dtype))
+        x = self.dropout(x + self.pe[offset:offset + T].to(x.dtype))
+        dtype = stream_dtype(x) if self.bf16_residual else None
+        return x if dtype is None else x.to(dtype)
 
 
 class Generator(nn.Linear):
@@ -140,6 +144,7 @@ class Transformer(nn.Module):
             self.generator.weight = self.tgt_embed.tokens.weight
         if a.tie_embeddings == "all":
             self.src_embed.tokens.weight = self.tgt_embed.tokens.weight
+        self.bf16_residual = False  # set_bf16_residual
         # Checkpoints written with separate q/k/v projections load into the stacked ones.
         self.register_load_state_dict_pre_hook(_fuse_old_keys)
 
@@ -167,7 +172,7 @@ class Transformer(nn.Module):
         x = self.src_embed(src)
         for layer in self.encoder:
             x = layer(x, src_mask)
-        return self.enc_norm(x), src_mask
+        return self._final_norm(self.enc_norm, x), src_mask  # (B, S, d_model)
 
     def project_memory(self, memory: torch.Tensor) -> torch.Tensor:
         """memory (B, S, d_model) -> the cross-attention keys and values of every decoder layer, one product:
@@ -192,7 +197,11 @@ class Transformer(nn.Module):
         x = self.tgt_embed(tgt_in, offset=cache.length if cache is not None else 0)
         for layer, kv, layer_cache in zip(self.decoder, cross_kv, self_caches, strict=True):
             x = layer(x, kv, src_mask, cache=layer_cache)
-        return self.generator(self.dec_norm(x))  # (B, T, V)
+        return self.generator(self._final_norm(self.dec_norm, x))  # (B, T, V)
+
+    def _final_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        dtype = stream_dtype(x) if self.bf16_residual else None
+        return norm(x) if dtype is None else norm_to(norm, x, dtype)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         memory, src_mask = self.encode(src)
@@ -207,6 +216,14 @@ class Transformer(nn.Module):
                 m.p = p
             elif isinstance(m, MultiHeadAttention):
                 m.dropout = p
+
+    def set_bf16_residual(self, on: bool) -> None:
+        """trainer.bf16_residual: under bf16 autocast the residual stream between sublayers (embeddings, every
+        residual add and LayerNorm) is stored in bf16, sums and LayerNorm statistics computed in fp32
+        (transformer/model/residual.py). No effect without bf16 autocast; the weights are untouched."""
+        for m in self.modules():
+            if hasattr(m, "bf16_residual"):
+                m.bf16_residual = on
 
     def record_attention(self, on: bool = True) -> None:
         """Keep the attention weights of every attention module in its `last_attention` (for plots)."""
