@@ -9,6 +9,7 @@ from torch import nn
 from transformer.model.dropout import Dropout, keep_mask, uses_keep_mask
 from transformer.model.projections import StackedLinear
 from transformer.model.residual import dropout_add, dropout_add_norm, norm_to, stream_dtype
+from transformer.model.varlen import VarlenMask, varlen_attention
 
 
 def no_cudnn_attention(device: torch.device) -> None:
@@ -62,6 +63,8 @@ class MultiHeadAttention(nn.Module):
         """query (B, T, d_model). Self-attention: keys/values from `query`; cross-attention: `kv` (2, B, h, S, d_k).
         `cache` (decoder self-attention while decoding) holds the keys/values of earlier positions and is
         extended in place, so each new token costs one row of attention instead of the whole prefix."""
+        if isinstance(mask, VarlenMask):  # packed rows (transformer/model/varlen.py)
+            return self._forward_packed(query, kv, mask, is_causal)
         B, T, _ = query.shape
         if kv is None:
             q, k, v = self.project_qkv(query)  # (B, h, T, d_k)
@@ -75,15 +78,28 @@ class MultiHeadAttention(nn.Module):
                 S = k.size(2)
                 mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
             is_causal = False  # one new query may see every cached key
-        p = self.dropout if self.training else 0.0
-        if self.keep_attention:
-            out = self._explicit_attention(q, k, v, mask, is_causal)
-        elif p > 0 and uses_keep_mask(q):
-            out = _cpu_dropout_attention(q, k, v, mask, is_causal, p)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
+        out = self._attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)  # (B, h, T, d_k)
         out = out.transpose(1, 2).reshape(B, T, self.h * self.d_k)  # (B, T, d_model)
         return self.out_proj(out)
+
+    def _forward_packed(self, x: torch.Tensor, kv: Optional[torch.Tensor], mask: VarlenMask,
+                        is_causal: bool) -> torch.Tensor:
+        """x (N_q, d_model), the real tokens of a batch packed; cross-attention's kv (2, N_k, h, d_k)."""
+        N = x.size(0)
+        if kv is None:
+            q, k, v = self.qkv_proj(x).view(N, 3, self.h, self.d_k).unbind(1)  # 3 x (N, h, d_k)
+        else:
+            q, (k, v) = self.q_proj(x).view(N, self.h, self.d_k), kv
+        out = varlen_attention(q, k, v, mask, is_causal, self.dropout if self.training else 0.0, self._attend)
+        return self.out_proj(out.reshape(N, self.h * self.d_k))  # (N_q, d_model)
+
+    def _attend(self, q, k, v, mask, is_causal: bool, p: float) -> torch.Tensor:
+        """Equation (1) on (B, h, T, d_k) queries and (B, h, S, d_k) keys/values, dropout p on the weights."""
+        if self.keep_attention:
+            return self._explicit_attention(q, k, v, mask, is_causal)
+        if p > 0 and uses_keep_mask(q):
+            return _cpu_dropout_attention(q, k, v, mask, is_causal, p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
 
     def _explicit_attention(self, q, k, v, mask, is_causal):
         """softmax(Q K^T / sqrt(d_k)) V, Equation (1), keeping the weights (no dropout: used at inference)."""
@@ -180,11 +196,13 @@ class DecoderLayer(nn.Module):
         self.sub2 = SublayerConnection(d_model, dropout, norm_first)
         self.sub3 = SublayerConnection(d_model, dropout, norm_first)
 
-    def forward(self, x: torch.Tensor, memory_kv: torch.Tensor, src_mask: torch.Tensor,
-                cache: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
-        """x (B, T, d_model); memory_kv (2, B, h, S, d_k): this layer's keys and values of the encoder output."""
+    def forward(self, x: torch.Tensor, memory_kv: torch.Tensor, src_mask,
+                cache: Optional[Dict[str, torch.Tensor]] = None, tgt_mask: Optional[VarlenMask] = None) -> torch.Tensor:
+        """x (B, T, d_model); memory_kv (2, B, h, S, d_k): this layer's keys and values of the encoder output.
+        Packed (Transformer.forward with unpadded attention): x (N_t, d_model), memory_kv (2, N_s, h, d_k), and
+        src_mask and tgt_mask the VarlenMasks of cross- and self-attention."""
         # Right padding: a real target position never sees a pad position under the causal mask,
         # so the causal mask alone suffices (and lets SDPA use its fused causal kernels).
-        x = self.sub1(x, lambda y: self.self_attn(y, is_causal=True, cache=cache))
+        x = self.sub1(x, lambda y: self.self_attn(y, mask=tgt_mask, is_causal=True, cache=cache))
         x = self.sub2(x, lambda y: self.cross_attn(y, kv=memory_kv, mask=src_mask))
         return self.sub3(x, self.ff)

@@ -12,6 +12,7 @@ from transformer.model.dropout import Dropout, check_rate
 from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention
 from transformer.model.projections import StackedLinear, fuse_projections, replay_linear_init, split_projections
 from transformer.model.residual import norm_to, stream_dtype
+from transformer.model.varlen import VarlenMask, pack, packing, unpack
 from transformer.specials import PAD
 
 
@@ -145,6 +146,7 @@ class Transformer(nn.Module):
         if a.tie_embeddings == "all":
             self.src_embed.tokens.weight = self.tgt_embed.tokens.weight
         self.bf16_residual = False  # set_bf16_residual
+        self.unpadded_attention = False  # set_unpadded_attention
         # Checkpoints written with separate q/k/v projections load into the stacked ones.
         self.register_load_state_dict_pre_hook(_fuse_old_keys)
 
@@ -176,11 +178,12 @@ class Transformer(nn.Module):
 
     def project_memory(self, memory: torch.Tensor) -> torch.Tensor:
         """memory (B, S, d_model) -> the cross-attention keys and values of every decoder layer, one product:
-        (N_dec, 2, B, h, S, d_k), [i, 0] layer i's keys, [i, 1] its values."""
-        B, S, _ = memory.shape
+        (N_dec, 2, B, h, S, d_k), [i, 0] layer i's keys, [i, 1] its values. Packed memory (N_s, d_model)
+        -> (N_dec, 2, N_s, h, d_k)."""
         h = self.args.h
-        kv = self.memory_kv_proj(memory).view(B, S, self.args.N_dec, 2, h, self.args.d_model // h)
-        return kv.permute(2, 3, 0, 4, 1, 5)  # (N_dec, 2, B, h, S, d_k)
+        kv = self.memory_kv_proj(memory).view(*memory.shape[:-1], self.args.N_dec, 2, h, self.args.d_model // h)
+        kv = kv.movedim((-4, -3), (0, 1))  # (N_dec, 2, B, S, h, d_k) or (N_dec, 2, N_s, h, d_k)
+        return kv.transpose(-3, -2) if memory.dim() == 3 else kv
 
     def new_cache(self, memory: torch.Tensor, src_mask: torch.Tensor) -> DecoderCache:
         return DecoderCache(self.project_memory(memory), src_mask)
@@ -204,8 +207,29 @@ class Transformer(nn.Module):
         return norm(x) if dtype is None else norm_to(norm, x, dtype)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
+        if self.unpadded_attention:
+            return self._forward_packed(src, tgt_in)
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask)
+
+    def _forward_packed(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """`forward` on the real tokens only (transformer/model/varlen.py): every layer runs on packed rows;
+        the logits of padded target positions are those of a zero decoder output (the loss ignores them)."""
+        sp, tp = packing(src != PAD), packing(tgt_in != PAD)
+        x = pack(self.src_embed(src), sp)  # (N_s, d_model)
+        for layer in self.encoder:
+            x = layer(x, VarlenMask(sp, sp))
+        memory_kv = self.project_memory(self._final_norm(self.enc_norm, x))  # (N_dec, 2, N_s, h, d_k)
+        y = pack(self.tgt_embed(tgt_in), tp)  # (N_t, d_model)
+        for layer, kv in zip(self.decoder, memory_kv, strict=True):
+            y = layer(y, kv, VarlenMask(tp, sp), tgt_mask=VarlenMask(tp, tp))
+        return self.generator(unpack(self._final_norm(self.dec_norm, y), tp))  # (B, T, V)
+
+    def set_unpadded_attention(self, on: bool) -> None:
+        """trainer.unpadded_attention: `forward` (training and validation loss) runs on the real tokens only,
+        packed, with variable-length attention; decoding (`encode`, `decode` with a cache) stays padded."""
+        self.unpadded_attention = on
 
     def set_dropout(self, p: float) -> None:
         """P_drop of every dropout in the model (embeddings, sublayers, FFN and attention weights), for a

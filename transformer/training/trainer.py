@@ -60,6 +60,8 @@ class Trainer(Validation, RunEnd):
         self.model = model.to(env.device)
         if self.tcfg.bf16_residual:  # transformer/model/residual.py
             self.model.set_bf16_residual(True)
+        if self.tcfg.unpadded_attention:  # transformer/model/varlen.py
+            self.model.set_unpadded_attention(True)
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
         self.amp_dtype = autocast_dtype(self.tcfg.precision, env.device)
         slow_bf16 = speedups.emulated_bf16(env.device) if self.amp_dtype == torch.bfloat16 else None
