@@ -52,3 +52,28 @@ def test_unpadded_equals_padded_outputs_and_gradients(norm_first):
 def test_trainer_switch(tmp_path):
     assert make_trainer(tmp_path, "trainer.unpadded_attention=true").model.unpadded_attention
     assert not make_trainer(tmp_path / "off").model.unpadded_attention
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_cuda_varlen_kernel_equals_padded(dropout):
+    """On a GPU under bf16 autocast the packed model runs flash-attn's varlen kernel (where installed) or
+    torch's varlen_attn (P_drop 0): outputs within bf16 rounding of the padded model's (in eval mode, so
+    dropout is off in both), and a training step with dropout runs and gives finite gradients."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=dropout)
+    model = Transformer.from_config(cfg, 30, 30, True).cuda()
+    src, tgt = (t.cuda() for t in varied_batch())
+    real = tgt != PAD
+    outs = []
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        model.eval()
+        for on in (False, True):
+            model.set_unpadded_attention(on)
+            outs.append(model(src, tgt)[real].float())
+    assert (outs[0] - outs[1]).norm() / outs[0].norm() < 2e-2
+    model.train()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, _ = label_smoothed_cross_entropy(model(src, tgt), tgt, 0.1, PAD)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
