@@ -101,7 +101,7 @@ def load_checkpoint(path, map_location="cpu") -> dict:
 
 
 def stack_projections(ckpt: dict) -> None:
-    """A checkpoint written with separate q/k/v projections (before 2026-11-28), in place, as this version writes
+    """A checkpoint written with separate q/k/v projections (by earlier versions), in place, as this version writes
     it: stacked weights (transformer/model/projections.py), and the weight average and Adam moments stacked
     alike, so that such a run resumes exactly. One written since is left as it is."""
     weights = ckpt.get("model")
