@@ -50,7 +50,10 @@ def test_unpadded_equals_padded_outputs_and_gradients(norm_first):
 
 
 def test_trainer_switch(tmp_path):
-    assert make_trainer(tmp_path, "trainer.unpadded_attention=true").model.unpadded_attention
+    """The switch reaches the model; a run with it (and the bf16 stream) trains, validates and decodes."""
+    t = make_trainer(tmp_path, "trainer.unpadded_attention=true", "trainer.bf16_residual=true",
+                     "trainer.max_steps=3", "trainer.max_epochs=null", "trainer.val_every=3")
+    assert t.model.unpadded_attention and t.train() == 0
     assert not make_trainer(tmp_path / "off").model.unpadded_attention
 
 
