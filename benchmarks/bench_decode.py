@@ -84,8 +84,9 @@ def annotated_greedy(model, ids, cfg: EvalConfig, device, stop: bool):
         ys = torch.full((1, 1), BOS, dtype=torch.long, device=device)
         for _ in range(limit):
             out = model.tgt_embed(ys)  # (1, T, D)
-            for layer in model.decoder:  # cross-attention keys/values recomputed every step, as in AT
-                out = layer(out, layer.cross_attn.project_kv(memory), src_mask)
+            # cross-attention keys/values recomputed every step, as in AT
+            for layer, kv in zip(model.decoder, model.project_memory(memory), strict=True):
+                out = layer(out, kv, src_mask)
             logits = model.generator(model.dec_norm(out[:, -1]))  # (1, V): AT projects the last position only
             if not stop:
                 logits[:, EOS] = -float("inf")

@@ -2,6 +2,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from transformer.config import ModelConfig
 from transformer.data.batch import PAD
@@ -60,27 +61,31 @@ def reference_attention(q, k, v, mask):
     return scores.softmax(-1) @ v
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_attention_matches_plain_softmax_reference(causal):
+@pytest.mark.parametrize("kind", ["causal", "padded", "cross"])
+def test_attention_matches_plain_softmax_reference(kind):
+    """Self-attention (one stacked q/k/v product: its three parts are the separate projections) and
+    cross-attention (keys/values given) agree with softmax(Q K^T / sqrt(d_k)) V."""
     torch.manual_seed(1)
-    attn = MultiHeadAttention(d_model=24, h=3, dropout=0.0).eval()
+    attn = MultiHeadAttention(d_model=24, h=3, dropout=0.0, self_attention=kind != "cross").eval()
     x = torch.randn(2, 5, 24)
-    mem = torch.randn(2, 7, 24)
-    key_pad = torch.ones(2, 1, 1, 7, dtype=torch.bool)
+    key_pad = torch.ones(2, 1, 1, 5 if kind == "padded" else 7, dtype=torch.bool)
     key_pad[1, ..., 4:] = False
-    if causal:
-        out = attn(x, is_causal=True)
-        mask = torch.ones(5, 5, dtype=torch.bool).tril()
-        q, (k, v) = attn.split_heads(attn.q_proj(x)), attn.project_kv(x)
+    kv = torch.randn(2, 2, 3, 7, 8)  # (2, B, h, S, d_k)
+    if kind == "cross":
+        def run():
+            return attn(x, kv, mask=key_pad)
+        q, (k, v), mask = attn.split_heads(attn.q_proj(x)), kv, key_pad
     else:
-        out = attn(x, mem, mask=key_pad)
-        mask = key_pad
-        q, (k, v) = attn.split_heads(attn.q_proj(x)), attn.project_kv(mem)
+        def run():
+            return attn(x, is_causal=True) if kind == "causal" else attn(x, mask=key_pad)
+        w, b = attn.qkv_proj.weight.split(24), attn.qkv_proj.bias
+        q, k, v = (attn.split_heads(F.linear(x, wi, bi)) for wi, bi in zip(w, [b[0], None, b[1]], strict=True))
+        mask = torch.ones(5, 5, dtype=torch.bool).tril() if kind == "causal" else key_pad
+    out = run()
     ref = reference_attention(q, k, v, mask).transpose(1, 2).reshape(2, 5, 24)
     assert torch.allclose(out, attn.out_proj(ref), atol=1e-5)
     attn.keep_attention = True  # the explicit path used for plots agrees too
-    again = attn(x, is_causal=True) if causal else attn(x, mem, mask=key_pad)
-    assert torch.allclose(again, out, atol=1e-5)
+    assert torch.allclose(run(), out, atol=1e-5)
     assert torch.allclose(attn.last_attention.sum(-1), torch.ones(2, 3, 5))
 
 

@@ -298,7 +298,7 @@ def test_dropout_by_epoch_sets_each_epochs_rate_and_resumes_with_it(tmp_path):
     back from the schedule."""
     def modules_p(model):
         return {m.p for m in model.modules() if hasattr(m, "p")} | {
-            m.dropout for m in model.modules() if hasattr(m, "project_kv")}
+            m.dropout for m in model.modules() if hasattr(m, "out_proj")}
 
     common = ("trainer.max_steps=null", "trainer.val_every=1000", "checkpoint.every_steps=1000")
     sched = make_trainer(tmp_path / "s", *common, "trainer.max_epochs=1", "model.dropout=0.3",

@@ -91,6 +91,8 @@ class TrainerConfig:
     ddp_bucket_mb: int = 25  # DDP gradient bucket size
     ddp_static_graph: bool = False  # DDP static_graph=True (the same parameters get gradients every step)
     loss: str = "fused"  # fused (chunked, one fp32 chunk per pass, gradient written into the logits) | reference
+    bf16_residual: bool = False  # under bf16 autocast: residual stream in bf16, LayerNorm statistics in fp32
+    unpadded_attention: bool = False  # training forward on the real tokens only, packed, variable-length attention
 
 
 @dataclass

@@ -17,7 +17,8 @@ class PrefixCache:
         self.tokens: Optional[torch.Tensor] = None  # (R, t)
 
     def reorder(self, rows, source_rows=None, same_sources: bool = False) -> None:
-        self.tokens = self.tokens.index_select(0, rows)
+        if self.tokens is not None:  # None: beam search spreading each sentence over its K rows before step 0
+            self.tokens = self.tokens.index_select(0, rows)
         if same_sources:  # the K rows of a sentence share its encoder output: it moves with the sentences
             rows = source_rows
         if rows is not None:
@@ -46,8 +47,8 @@ def decode_last(model, tokens: torch.Tensor, memory: torch.Tensor, src_mask: tor
     """Uncached step: the decoder over the whole prefix `tokens` (R, T), the output projection applied to
     the last position only -> logits (R, V)."""
     x = model.tgt_embed(tokens)  # (R, T, D)
-    for layer in model.decoder:
-        x = layer(x, layer.cross_attn.project_kv(memory), src_mask)
+    for layer, kv in zip(model.decoder, model.project_memory(memory), strict=True):
+        x = layer(x, kv, src_mask)
     return model.generator(model.dec_norm(x[:, -1]))  # (R, V)
 
 

@@ -3,8 +3,8 @@
 Both searches keep one row per live hypothesis and drop sentences as soon as they are finished, so a
 batch costs what its longest unfinished sentence costs. Each step feeds only the newest token: the
 decoder self-attention keys/values of earlier positions and the cross-attention keys/values of the
-encoder output (computed once per source by `model.new_cache`) come from a `DecoderCache`, which
-follows the hypotheses the search keeps.
+encoder output (computed once per source, for all layers in one product, by `model.new_cache`) come from
+a `DecoderCache`, which follows the hypotheses the search keeps.
 
 Scores follow fairseq: a finished hypothesis of n tokens (its </s> included) with summed log
 probability L scores L / n**lenpen. lenpen = 1 ranks by the mean log probability per token, lenpen = 0
@@ -195,8 +195,9 @@ def beam_search(model, src: torch.Tensor, beam: int, lenpen: float, max_len_a: f
     with eval_mode(model):
         B, K, device = src.size(0), beam, src.device
         memory, src_mask = model.encode(src)  # (B, S, D), (B, 1, 1, S)
-        rows = torch.arange(B, device=device).repeat_interleave(K)  # (B*K,) each sentence K times
-        cache = model.new_cache(memory.index_select(0, rows), src_mask.index_select(0, rows))
+        # The encoder output's keys/values are projected once per sentence, then copied to its K rows.
+        cache = model.new_cache(memory, src_mask)
+        cache.reorder(torch.arange(B, device=device).repeat_interleave(K))  # (B*K,) each sentence K times
         limits = max_lengths(src, max_len_a, max_len_b, max_len)  # (B,)
         beams = _Beams(B, K, device)
         for t in range(int(limits.max()) + 1):

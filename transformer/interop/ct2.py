@@ -15,6 +15,7 @@ from typing import List, Optional
 import torch
 
 from transformer.interop import InteropError, check_out_dir, replace_dir
+from transformer.model.projections import split_projections
 from transformer.model.transformer import sinusoidal_positions
 from transformer.specials import BOS, EOS, SPECIALS, UNK
 
@@ -53,13 +54,23 @@ def _norm(spec, ln) -> None:
     spec.gamma, spec.beta = _copy(ln.weight), _copy(ln.bias)
 
 
-def _attention(spec, attn, self_attention: bool) -> None:
+class _Part:
+    """One projection of the separate-projection layout (`split_projections`), shaped like an nn.Linear."""
+
+    def __init__(self, state: dict, name: str):
+        self.weight, self.bias = state[f"{name}.weight"], state.get(f"{name}.bias")
+        self.out_features = self.weight.size(0)
+
+
+def _attention(spec, parts: dict, at: str, self_attention: bool) -> None:
+    """`at`: the attention's state-dict prefix (e.g. decoder.0.cross_attn) in `parts`, a split state dict."""
+    q, k, v, out = (_Part(parts, f"{at}.{p}") for p in ("q_proj", "k_proj", "v_proj", "out_proj"))
     if self_attention:
-        _linear(spec.linear[0], attn.q_proj, attn.k_proj, attn.v_proj)
+        _linear(spec.linear[0], q, k, v)
     else:
-        _linear(spec.linear[0], attn.q_proj)
-        _linear(spec.linear[1], attn.k_proj, attn.v_proj)
-    _linear(spec.linear[-1], attn.out_proj)
+        _linear(spec.linear[0], q)
+        _linear(spec.linear[1], k, v)
+    _linear(spec.linear[-1], out)
 
 
 def _stack(spec, model, side: str, embedding, rows: int) -> None:
@@ -72,11 +83,12 @@ def _stack(spec, model, side: str, embedding, rows: int) -> None:
     if a.norm_first:
         _norm(spec.layer_norm, model.enc_norm if side == "encoder" else model.dec_norm)
     layers = model.encoder if side == "encoder" else model.decoder
-    for ls, layer in zip(spec.layer, layers, strict=True):
-        _attention(ls.self_attention, layer.self_attn, True)
+    parts = split_projections(model.state_dict(), views=True)  # q, k, v apart, as CTranslate2 names them
+    for i, (ls, layer) in enumerate(zip(spec.layer, layers, strict=True)):
+        _attention(ls.self_attention, parts, f"{side}.{i}.self_attn", True)
         _norm(ls.self_attention.layer_norm, layer.sub1.norm)
         if side == "decoder":
-            _attention(ls.attention, layer.cross_attn, False)
+            _attention(ls.attention, parts, f"{side}.{i}.cross_attn", False)
             _norm(ls.attention.layer_norm, layer.sub2.norm)
         _linear(ls.ffn.linear_0, layer.ff.w1)
         _linear(ls.ffn.linear_1, layer.ff.w2)

@@ -15,7 +15,8 @@ from typing import Optional
 import torch
 
 from transformer.interop import InteropError, check_out_dir, replace_dir
-from transformer.interop.names import from_marian, marian_name, to_marian
+from transformer.interop.names import from_marian, marian_name, separate_keys, to_marian
+from transformer.model.projections import fuse_projections
 from transformer.specials import BOS, EOS, PAD, SPECIALS, UNK
 
 META_FILE = "transformer.json"  # what an export adds for this project's importer: languages, eval settings
@@ -221,8 +222,8 @@ def import_hf(path) -> dict:
                      shared_vocab=True, activation=HF_ACTIVATIONS[cfg.get("activation_function", "gelu")],
                      output_bias=bool((bias[:n_out] != 0).any()))
     with torch.device("meta"):
-        keys = list(Transformer(args).state_dict())
-    state = from_marian(hf_state, [k for k in keys if k != "generator.bias"], args.d_model)
+        keys = separate_keys(Transformer(args))
+    state = fuse_projections(from_marian(hf_state, [k for k in keys if k != "generator.bias"], args.d_model))
     if args.output_bias:  # rows past n_out (never scored) carry -inf in Marian, zeros here
         state["generator.bias"] = torch.where(torch.isfinite(bias), bias, torch.zeros_like(bias))
     used = ({k for k in hf_state if k.endswith(_IGNORED_SUFFIXES) or k in _IGNORED}

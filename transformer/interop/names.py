@@ -12,6 +12,8 @@ from typing import Dict, Iterable, Optional, Tuple
 
 import torch
 
+from transformer.model.projections import split_projections
+
 _L = r"(encoder|decoder)\.(\d+)\."
 _HF_L = r"model.\1.layers.\2."
 # (our key pattern, Marian key template, residual axes of the tensor)
@@ -62,10 +64,11 @@ def _permute(t: torch.Tensor, axes: Iterable[int], index: torch.Tensor) -> torch
 
 def to_marian(state: Dict[str, torch.Tensor], d_model: int) -> Dict[str, torch.Tensor]:
     """Our state dict -> Marian's names and coordinates (keys Marian has and we lack, such as k_proj.bias,
-    are the caller's)."""
+    are the caller's). The stacked q/k/v and memory k/v projections are split first: TABLE names the
+    separate-projection layout (`transformer.model.split_projections`)."""
     perm = residual_permutation(d_model)
     out = {}
-    for key, t in state.items():
+    for key, t in split_projections(state).items():
         name, axes = marian_name(key)
         out[name] = _permute(t.detach().float(), axes, perm)
     return out
@@ -73,8 +76,10 @@ def to_marian(state: Dict[str, torch.Tensor], d_model: int) -> Dict[str, torch.T
 
 def from_marian(hf: Dict[str, torch.Tensor], our_keys: Iterable[str], d_model: int,
                 missing: Optional[list] = None) -> Dict[str, torch.Tensor]:
-    """Marian's state dict -> ours, for the keys `our_keys` (a freshly built model's `state_dict()` keys).
-    Keys Marian lacks are appended to `missing` (or raise KeyError when it is None)."""
+    """Marian's state dict -> ours, for the keys `our_keys` (a freshly built model's `state_dict()` keys, in
+    the separate-projection layout: `separate_keys`); the result is in that layout too, which the model's
+    loader stacks (`fuse_projections`). Keys Marian lacks are appended to `missing` (or raise KeyError when it
+    is None)."""
     inverse = torch.argsort(residual_permutation(d_model))
     out = {}
     for key in our_keys:
@@ -86,3 +91,8 @@ def from_marian(hf: Dict[str, torch.Tensor], our_keys: Iterable[str], d_model: i
             continue
         out[key] = _permute(hf[name].detach().float(), axes, inverse)
     return out
+
+
+def separate_keys(model) -> list:
+    """A model's state-dict keys in the separate-projection layout TABLE names (q/k/v apart)."""
+    return list(split_projections(model.state_dict(), views=True))

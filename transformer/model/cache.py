@@ -1,5 +1,5 @@
 """The state of incremental decoding, and how it follows the hypotheses a search keeps."""
-from typing import List, Optional
+from typing import Optional
 
 import torch
 
@@ -7,11 +7,11 @@ import torch
 class DecoderCache:
     """Per decoder layer: the self-attention keys/values of the positions decoded so far (filled in by
     `MultiHeadAttention` as decoding proceeds) and the cross-attention keys/values of the encoder output
-    (computed once per source by `Transformer.new_cache`), plus the source padding mask."""
+    (computed once per source for all layers by `Transformer.new_cache`), plus the source padding mask."""
 
-    def __init__(self, cross_kv: List[tuple], src_mask: torch.Tensor):
-        self.self_attn: List[dict] = [{} for _ in cross_kv]
-        self.cross_kv, self.src_mask = cross_kv, src_mask
+    def __init__(self, cross_kv: torch.Tensor, src_mask: torch.Tensor):
+        self.self_attn = [{} for _ in range(cross_kv.size(0))]
+        self.cross_kv, self.src_mask = cross_kv, src_mask  # (N_dec, 2, B, h, S, d_k), (B, 1, 1, S)
 
     @property
     def length(self) -> int:
@@ -33,5 +33,5 @@ class DecoderCache:
         if same_sources:
             rows = source_rows
         if rows is not None:
-            self.cross_kv = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in self.cross_kv]
+            self.cross_kv = self.cross_kv.index_select(2, rows)  # every layer's keys and values in one copy
             self.src_mask = self.src_mask.index_select(0, rows)

@@ -7,6 +7,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from transformer.model.dropout import Dropout, keep_mask, uses_keep_mask
+from transformer.model.projections import StackedLinear
+from transformer.model.residual import dropout_add, dropout_add_norm, norm_to, stream_dtype
+from transformer.model.varlen import VarlenMask, varlen_attention
 
 
 def no_cudnn_attention(device: torch.device) -> None:
@@ -20,20 +23,25 @@ def no_cudnn_attention(device: torch.device) -> None:
 class MultiHeadAttention(nn.Module):
     """Section 3.2.2: h parallel scaled dot-product attentions over d_k = d_model / h dimensions.
 
+    Self-attention projects its input to queries, keys and values in one product (`qkv_proj`, a StackedLinear);
+    cross-attention (`self_attention=False`) projects only the queries and takes the keys/values of the encoder
+    output precomputed for all decoder layers at once (`Transformer.project_memory`).
     Masks are boolean, True where a query may attend to a key, broadcastable to (B, h, T, S).
-    The fused `scaled_dot_product_attention` picks flash/memory-efficient kernels where it can.
+    The fused `scaled_dot_product_attention` picks flash/memory-efficient kernels where it can; a boolean
+    padding mask (the encoder's self-attention, every cross-attention) keeps it off the flash kernel.
     With `keep_attention = True` the weights are computed explicitly and kept in `last_attention`
     (B, h, T, S) for plots.
     """
 
-    def __init__(self, d_model: int, h: int, dropout: float):
+    def __init__(self, d_model: int, h: int, dropout: float, self_attention: bool = True):
         super().__init__()
         self.h, self.d_k = h, d_model // h
-        self.q_proj = nn.Linear(d_model, d_model)
-        # No key bias: it adds the same q.b to every score of a query, which softmax ignores. Its true
-        # gradient is zero, so Adam would only amplify rounding noise in it.
-        self.k_proj = nn.Linear(d_model, d_model, bias=False)
-        self.v_proj = nn.Linear(d_model, d_model)
+        if self_attention:
+            # No key bias: it adds the same q.b to every score of a query, which softmax ignores. Its true
+            # gradient is zero, so Adam would only amplify rounding noise in it.
+            self.qkv_proj = StackedLinear(d_model, d_model, biased=(True, False, True))
+        else:
+            self.q_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
         self.dropout = dropout
         self.keep_attention = False
@@ -43,21 +51,24 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         return x.view(B, T, self.h, self.d_k).transpose(1, 2)  # (B, h, T, d_k)
 
-    def project_kv(self, x: torch.Tensor):
-        """Keys and values of `x` (B, S, d_model), each (B, h, S, d_k): computed once per source for cross-attention."""
-        return self.split_heads(self.k_proj(x)), self.split_heads(self.v_proj(x))
+    def project_qkv(self, x: torch.Tensor):
+        """Queries, keys and values of `x` (B, T, d_model), each (B, h, T, d_k), from one product."""
+        B, T, _ = x.shape
+        qkv = self.qkv_proj(x).view(B, T, 3, self.h, self.d_k)  # (B, T, 3, h, d_k)
+        return qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d_k)
 
-    def forward(self, query: torch.Tensor, key_value: Optional[torch.Tensor] = None, mask=None,
-                is_causal: bool = False, kv: Optional[tuple] = None,
-                cache: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
-        """query (B, T, d_model). Keys/values come from `key_value` (B, S, d_model), or precomputed `kv`.
+    def forward(self, query: torch.Tensor, kv: Optional[torch.Tensor] = None, mask=None,
+                is_causal: bool = False, cache: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+        """query (B, T, d_model). Self-attention: keys/values from `query`; cross-attention: `kv` (2, B, h, S, d_k).
         `cache` (decoder self-attention while decoding) holds the keys/values of earlier positions and is
         extended in place, so each new token costs one row of attention instead of the whole prefix."""
+        if isinstance(mask, VarlenMask):  # packed rows (transformer/model/varlen.py)
+            return self._forward_packed(query, kv, mask, is_causal)
         B, T, _ = query.shape
-        q = self.split_heads(self.q_proj(query))  # (B, h, T, d_k)
         if kv is None:
-            kv = self.project_kv(query if key_value is None else key_value)
-        k, v = kv  # (B, h, S, d_k)
+            q, k, v = self.project_qkv(query)  # (B, h, T, d_k)
+        else:
+            q, (k, v) = self.split_heads(self.q_proj(query)), kv  # (B, h, T, d_k), (B, h, S, d_k)
         if cache is not None:
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
@@ -66,15 +77,28 @@ class MultiHeadAttention(nn.Module):
                 S = k.size(2)
                 mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
             is_causal = False  # one new query may see every cached key
-        p = self.dropout if self.training else 0.0
-        if self.keep_attention:
-            out = self._explicit_attention(q, k, v, mask, is_causal)
-        elif p > 0 and uses_keep_mask(q):
-            out = _cpu_dropout_attention(q, k, v, mask, is_causal, p)
-        else:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
+        out = self._attend(q, k, v, mask, is_causal, self.dropout if self.training else 0.0)  # (B, h, T, d_k)
         out = out.transpose(1, 2).reshape(B, T, self.h * self.d_k)  # (B, T, d_model)
         return self.out_proj(out)
+
+    def _forward_packed(self, x: torch.Tensor, kv: Optional[torch.Tensor], mask: VarlenMask,
+                        is_causal: bool) -> torch.Tensor:
+        """x (N_q, d_model), the real tokens of a batch packed; cross-attention's kv (2, N_k, h, d_k)."""
+        N = x.size(0)
+        if kv is None:
+            q, k, v = self.qkv_proj(x).view(N, 3, self.h, self.d_k).unbind(1)  # 3 x (N, h, d_k)
+        else:
+            q, (k, v) = self.q_proj(x).view(N, self.h, self.d_k), kv
+        out = varlen_attention(q, k, v, mask, is_causal, self.dropout if self.training else 0.0, self._attend)
+        return self.out_proj(out.reshape(N, self.h * self.d_k))  # (N_q, d_model)
+
+    def _attend(self, q, k, v, mask, is_causal: bool, p: float) -> torch.Tensor:
+        """Equation (1) on (B, h, T, d_k) queries and (B, h, S, d_k) keys/values, dropout p on the weights."""
+        if self.keep_attention:
+            return self._explicit_attention(q, k, v, mask, is_causal)
+        if p > 0 and uses_keep_mask(q):
+            return _cpu_dropout_attention(q, k, v, mask, is_causal, p)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
 
     def _explicit_attention(self, q, k, v, mask, is_causal):
         """softmax(Q K^T / sqrt(d_k)) V, Equation (1), keeping the weights (no dropout: used at inference)."""
@@ -135,8 +159,14 @@ class SublayerConnection(nn.Module):
         self.norm = nn.LayerNorm(d_model)
         self.dropout = Dropout(dropout)
         self.norm_first = norm_first
+        self.bf16_residual = False  # Transformer.set_bf16_residual: the stream in bf16 under bf16 autocast
 
     def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
+        dtype = stream_dtype(x) if self.bf16_residual else None
+        if dtype is not None:  # transformer/model/residual.py: one fused function under torch.compile
+            if self.norm_first:
+                return dropout_add(x, sublayer(norm_to(self.norm, x, dtype)), self.dropout, dtype)
+            return dropout_add_norm(x, sublayer(x), self.dropout, self.norm, dtype)
         if self.norm_first:
             return x + self.dropout(sublayer(self.norm(x)))
         return self.norm(x + self.dropout(sublayer(x)))
@@ -163,16 +193,19 @@ class DecoderLayer(nn.Module):
     def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool, activation: str = "relu"):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, dropout)
-        self.cross_attn = MultiHeadAttention(d_model, h, dropout)
+        self.cross_attn = MultiHeadAttention(d_model, h, dropout, self_attention=False)
         self.ff = FeedForward(d_model, d_ff, dropout, activation)
         self.sub1 = SublayerConnection(d_model, dropout, norm_first)
         self.sub2 = SublayerConnection(d_model, dropout, norm_first)
         self.sub3 = SublayerConnection(d_model, dropout, norm_first)
 
-    def forward(self, x: torch.Tensor, memory_kv: tuple, src_mask: torch.Tensor,
-                cache: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, memory_kv: torch.Tensor, src_mask,
+                cache: Optional[Dict[str, torch.Tensor]] = None, tgt_mask: Optional[VarlenMask] = None) -> torch.Tensor:
+        """x (B, T, d_model); memory_kv (2, B, h, S, d_k): this layer's keys and values of the encoder output.
+        Packed (Transformer.forward with unpadded attention): x (N_t, d_model), memory_kv (2, N_s, h, d_k), and
+        src_mask and tgt_mask the VarlenMasks of cross- and self-attention."""
         # Right padding: a real target position never sees a pad position under the causal mask,
         # so the causal mask alone suffices (and lets SDPA use its fused causal kernels).
-        x = self.sub1(x, lambda y: self.self_attn(y, is_causal=True, cache=cache))
+        x = self.sub1(x, lambda y: self.self_attn(y, mask=tgt_mask, is_causal=True, cache=cache))
         x = self.sub2(x, lambda y: self.cross_attn(y, kv=memory_kv, mask=src_mask))
         return self.sub3(x, self.ff)

@@ -10,6 +10,9 @@ from torch import nn
 from transformer.model.cache import DecoderCache
 from transformer.model.dropout import Dropout, check_rate
 from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention
+from transformer.model.projections import StackedLinear, fuse_projections, replay_linear_init, split_projections
+from transformer.model.residual import norm_to, stream_dtype
+from transformer.model.varlen import VarlenMask, pack, packing, unpack
 from transformer.specials import PAD
 
 
@@ -85,13 +88,16 @@ class Embedding(nn.Module):
         # Not persistent: recomputed, so checkpoints stay small and max_positions can grow after training.
         self.register_buffer("pe", sinusoidal_positions(max_positions, d_model), persistent=False)
         self.dropout = Dropout(dropout)
+        self.bf16_residual = False
 
     def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         T = ids.size(1)
         if offset + T > self.pe.size(0):
             self.pe = sinusoidal_positions(2 * (offset + T), self.pe.size(1)).to(self.pe.device)
         x = self.tokens(ids) * self.scale  # (B, T, d_model)
-        return self.dropout(x + self.pe[offset:offset + T].to(x.dtype))
+        x = self.dropout(x + self.pe[offset:offset + T].to(x.dtype))
+        dtype = stream_dtype(x) if self.bf16_residual else None
+        return x if dtype is None else x.to(dtype)
 
 
 class Generator(nn.Linear):
@@ -108,6 +114,10 @@ class Generator(nn.Linear):
         return F.linear(x, w, b)  # (B, T, n_out)
 
 
+def _fuse_old_keys(module, state: dict, prefix: str, *args) -> None:
+    fuse_projections(state, prefix)
+
+
 class Transformer(nn.Module):
     """Encoder-decoder with N encoder and N_dec decoder layers (N each side in the paper); `encode` and `decode`
     can be called separately."""
@@ -121,15 +131,19 @@ class Transformer(nn.Module):
         # Tied to the source, the target's matrix is the shared one; its first tgt_vocab_size rows are the
         # target's types (tokenizer.tgt_vocab=seen numbers them first), the only ones the generator scores.
         tgt_rows = a.src_vocab_size if a.tie_embeddings == "all" else a.tgt_vocab_size
-        self.src_embed = Embedding(a.src_vocab_size, a.d_model, a.max_positions, a.dropout)
-        self.tgt_embed = Embedding(tgt_rows, a.d_model, a.max_positions, a.dropout)
-        layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first, a.activation)
-        self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(a.N))
-        self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a.N_dec))
-        # Pre-norm stacks end un-normalised; a final LayerNorm closes each (post-norm already ends in one).
-        self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
-        self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
-        self.generator = Generator(a.d_model, tgt_rows, a.tgt_vocab_size, bias=a.output_bias)
+        with torch.random.fork_rng(devices=[]):  # the constructors' draws are discarded: _init_weights replays them
+            self.src_embed = Embedding(a.src_vocab_size, a.d_model, a.max_positions, a.dropout)
+            self.tgt_embed = Embedding(tgt_rows, a.d_model, a.max_positions, a.dropout)
+            layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first, a.activation)
+            self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(a.N))
+            self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a.N_dec))
+            # The keys and values of the encoder output for every decoder layer in one product: layer i's
+            # keys are rows [2i·d_model, (2i+1)·d_model), its values the next d_model rows (values have a bias).
+            self.memory_kv_proj = StackedLinear(a.d_model, a.d_model, biased=(False, True) * a.N_dec)
+            # Pre-norm stacks end un-normalised; a final LayerNorm closes each (post-norm already ends in one).
+            self.enc_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
+            self.dec_norm = nn.LayerNorm(a.d_model) if a.norm_first else nn.Identity()
+            self.generator = Generator(a.d_model, tgt_rows, a.tgt_vocab_size, bias=a.output_bias)
         self._init_weights()
         if a.output_bias:
             nn.init.zeros_(self.generator.bias)
@@ -139,6 +153,10 @@ class Transformer(nn.Module):
             self.generator.weight = self.tgt_embed.tokens.weight
         if a.tie_embeddings == "all":
             self.src_embed.tokens.weight = self.tgt_embed.tokens.weight
+        self.bf16_residual = False  # set_bf16_residual
+        self.unpadded_attention = False  # set_unpadded_attention
+        # Checkpoints written with separate q/k/v projections load into the stacked ones.
+        self.register_load_state_dict_pre_hook(_fuse_old_keys)
 
     @classmethod
     def from_config(cls, model_cfg, src_vocab_size: int, tgt_vocab_size: int,
@@ -146,8 +164,12 @@ class Transformer(nn.Module):
         """A new model from the `model` config section and the data's vocabularies."""
         return cls(ModelArgs.from_config(model_cfg, src_vocab_size, tgt_vocab_size, shared_vocab))
 
+    @torch.no_grad()
     def _init_weights(self) -> None:
-        for p in self.parameters():
+        """Xavier-uniform matrices, each (d_out, d_in) part of a stacked projection drawn on its own, in the order
+        and with the draws of the model with separate projections: the same seed gives the same weights."""
+        replay_linear_init(self)
+        for p in split_projections(self.state_dict(keep_vars=True), views=True).values():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
         for emb in (self.src_embed.tokens, self.tgt_embed.tokens):
@@ -170,10 +192,19 @@ class Transformer(nn.Module):
         x = self.src_embed(src)
         for layer in self.encoder:
             x = layer(x, src_mask)
-        return self.enc_norm(x), src_mask
+        return self._final_norm(self.enc_norm, x), src_mask  # (B, S, d_model)
+
+    def project_memory(self, memory: torch.Tensor) -> torch.Tensor:
+        """memory (B, S, d_model) -> the cross-attention keys and values of every decoder layer, one product:
+        (N_dec, 2, B, h, S, d_k), [i, 0] layer i's keys, [i, 1] its values. Packed memory (N_s, d_model)
+        -> (N_dec, 2, N_s, h, d_k)."""
+        h = self.args.h
+        kv = self.memory_kv_proj(memory).view(*memory.shape[:-1], self.args.N_dec, 2, h, self.args.d_model // h)
+        kv = kv.movedim((-4, -3), (0, 1))  # (N_dec, 2, B, S, h, d_k) or (N_dec, 2, N_s, h, d_k)
+        return kv.transpose(-3, -2) if memory.dim() == 3 else kv
 
     def new_cache(self, memory: torch.Tensor, src_mask: torch.Tensor) -> DecoderCache:
-        return DecoderCache([layer.cross_attn.project_kv(memory) for layer in self.decoder], src_mask)
+        return DecoderCache(self.project_memory(memory), src_mask)
 
     def decode(self, tgt_in: torch.Tensor, memory: Optional[torch.Tensor] = None,
                src_mask: Optional[torch.Tensor] = None, cache: Optional[DecoderCache] = None) -> torch.Tensor:
@@ -192,18 +223,43 @@ class Transformer(nn.Module):
             (B, T, V) logits over the target vocabulary (V = tgt_vocab_size), unnormalised.
         """
         if cache is None:
-            cross_kv = [layer.cross_attn.project_kv(memory) for layer in self.decoder]
+            cross_kv = self.project_memory(memory)  # (N_dec, 2, B, h, S, d_k)
             self_caches = [None] * len(self.decoder)
         else:
             cross_kv, self_caches, src_mask = cache.cross_kv, cache.self_attn, cache.src_mask
         x = self.tgt_embed(tgt_in, offset=cache.length if cache is not None else 0)
-        for layer, kv, layer_cache in zip(self.decoder, cross_kv, self_caches, strict=False):
+        for layer, kv, layer_cache in zip(self.decoder, cross_kv, self_caches, strict=True):
             x = layer(x, kv, src_mask, cache=layer_cache)
-        return self.generator(self.dec_norm(x))  # (B, T, V)
+        return self.generator(self._final_norm(self.dec_norm, x))  # (B, T, V)
+
+    def _final_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        dtype = stream_dtype(x) if self.bf16_residual else None
+        return norm(x) if dtype is None else norm_to(norm, x, dtype)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
+        if self.unpadded_attention:
+            return self._forward_packed(src, tgt_in)
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask)
+
+    def _forward_packed(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """`forward` on the real tokens only (transformer/model/varlen.py): every layer runs on packed rows;
+        the logits of padded target positions are those of a zero decoder output (the loss ignores them)."""
+        sp, tp = packing(src != PAD), packing(tgt_in != PAD)
+        x = pack(self.src_embed(src), sp)  # (N_s, d_model)
+        for layer in self.encoder:
+            x = layer(x, VarlenMask(sp, sp))
+        memory_kv = self.project_memory(self._final_norm(self.enc_norm, x))  # (N_dec, 2, N_s, h, d_k)
+        y = pack(self.tgt_embed(tgt_in), tp)  # (N_t, d_model)
+        for layer, kv in zip(self.decoder, memory_kv, strict=True):
+            y = layer(y, kv, VarlenMask(tp, sp), tgt_mask=VarlenMask(tp, tp))
+        return self.generator(unpack(self._final_norm(self.dec_norm, y), tp))  # (B, T, V)
+
+    def set_unpadded_attention(self, on: bool) -> None:
+        """trainer.unpadded_attention: `forward` (training and validation loss) runs on the real tokens only,
+        packed, with variable-length attention; decoding (`encode`, `decode` with a cache) stays padded."""
+        self.unpadded_attention = on
 
     def set_dropout(self, p: float) -> None:
         """P_drop of every dropout in the model (embeddings, sublayers, FFN and attention weights), for a
@@ -214,6 +270,14 @@ class Transformer(nn.Module):
                 m.p = p
             elif isinstance(m, MultiHeadAttention):
                 m.dropout = p
+
+    def set_bf16_residual(self, on: bool) -> None:
+        """trainer.bf16_residual: under bf16 autocast the residual stream between sublayers (embeddings, every
+        residual add and LayerNorm) is stored in bf16, sums and LayerNorm statistics computed in fp32
+        (transformer/model/residual.py). No effect without bf16 autocast; the weights are untouched."""
+        for m in self.modules():
+            if hasattr(m, "bf16_residual"):
+                m.bf16_residual = on
 
     def record_attention(self, on: bool = True) -> None:
         """Keep the attention weights of every attention module in its `last_attention` (for plots)."""

@@ -16,7 +16,8 @@ import torch
 
 from transformer.atomic import atomic_open, fsync_dir
 from transformer.environment import machine_error
-from transformer.model.transformer import ModelArgs
+from transformer.model.projections import fuse_optimizer_state, fuse_projections
+from transformer.model.transformer import ModelArgs, Transformer
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,24 @@ def load_checkpoint(path, map_location="cpu") -> dict:
         raise CheckpointError(f"{path}: not a {FORMAT} file")
     if isinstance(ckpt.get("model_args"), dict):  # resume, init_from and averaging compare them as written now
         ckpt["model_args"] = ModelArgs.upgrade(ckpt["model_args"])
+        stack_projections(ckpt)
     return ckpt
+
+
+def stack_projections(ckpt: dict) -> None:
+    """A checkpoint written with separate q/k/v projections (by earlier versions), in place, as this version writes
+    it: stacked weights (transformer/model/projections.py), and the weight average and Adam moments stacked
+    alike, so that such a run resumes exactly. One written since is left as it is."""
+    weights = ckpt.get("model")
+    if not isinstance(weights, dict) or not any(k.endswith("self_attn.q_proj.weight") for k in weights):
+        return
+    fuse_projections(weights)
+    if isinstance(ckpt.get("ema"), dict):
+        fuse_projections(ckpt["ema"]["shadow"])
+    if isinstance(ckpt.get("optimizer"), dict):
+        with torch.device("meta"):  # the parameter order only: no memory, no random draws
+            model = Transformer(ModelArgs.from_dict(ckpt["model_args"]))
+        ckpt["optimizer"] = fuse_optimizer_state(ckpt["optimizer"], model)
 
 
 def model_weights(ckpt: dict) -> dict:

@@ -88,6 +88,10 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         warn(slow_bf16)
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
     speedups.configure_backends(tcfg, env.device)
+    if tcfg.bf16_residual:  # transformer/model/residual.py: bf16 between sublayers under bf16 autocast
+        model.set_bf16_residual(True)
+    if tcfg.unpadded_attention:  # transformer/model/varlen.py: the training forward on packed real tokens
+        model.set_unpadded_attention(True)
     if tcfg.activation_checkpointing:
         speedups.checkpoint_layers(model)
     net = DDP(model, **speedups.ddp_kwargs(tcfg, env.device)) if env.distributed else model

@@ -1,0 +1,40 @@
+"""The residual stream in bf16 (`trainer.bf16_residual`): dropout, residual add and LayerNorm as one function.
+
+Under bf16 autocast the products run in bf16, but LayerNorm and the embeddings output fp32, so the residual
+stream between the sublayers is fp32: every Linear re-casts its input, and dropout, the add and LayerNorm
+each read and write fp32 tensors. With the switch on, the stream is stored in the autocast dtype; the
+functions here compute in fp32 (the sum and LayerNorm's statistics) and round once, at their output. Under
+torch.compile each becomes one kernel that reads bf16 and writes bf16; in eager mode the same arithmetic
+runs op by op. The switch changes no weights and no checkpoint key.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def stream_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """bf16 where bf16 autocast is on for `x`'s device, else None (fp32 runs and fp16 keep today's stream:
+    fp16's range is too narrow for a residual sum)."""
+    on = torch.is_autocast_enabled(x.device.type) and torch.get_autocast_dtype(x.device.type) == torch.bfloat16
+    return torch.bfloat16 if on else None
+
+
+def norm_to(norm: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """LayerNorm(x) with its statistics in fp32, returned in `dtype`; other modules (nn.Identity) just cast."""
+    if isinstance(norm, nn.LayerNorm):
+        x = F.layer_norm(x.float(), norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    return x.to(dtype)
+
+
+def dropout_add(x: torch.Tensor, y: torch.Tensor, dropout: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """x + Dropout(y) summed in fp32, returned in `dtype` (the pre-norm residual)."""
+    return (x.float() + dropout(y.float())).to(dtype)
+
+
+def dropout_add_norm(x: torch.Tensor, y: torch.Tensor, dropout: nn.Module, norm: nn.Module,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """LayerNorm(x + Dropout(y)) (the post-norm residual), the sum and the statistics in fp32, the result in
+    `dtype`. x, y (B, T, d_model)."""
+    return norm_to(norm, x.float() + dropout(y.float()), dtype)

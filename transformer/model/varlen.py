@@ -1,0 +1,84 @@
+"""Unpadded attention (`trainer.unpadded_attention`): the real tokens of a batch packed end to end, the sentences
+told apart by cumulative lengths (`cu_seqlens`), so no position is computed for padding and no boolean mask
+keeps the fused attention off its flash kernel.
+
+`Transformer.forward` packs the source and target tokens once; embeddings, Linear maps, LayerNorms and the
+feed-forward networks are per token and run on the packed (N, d_model) rows; attention takes a `VarlenMask`
+(the packing of its queries and of its keys) and calls, in this order of preference:
+  - flash-attn's `flash_attn_varlen_func` (the optional flash-attn package, CUDA): attention dropout included;
+  - torch's `torch.nn.attention.varlen.varlen_attn` (CUDA), which has no dropout: only where P_drop is 0
+    (or in eval mode);
+  - the reference: the rows put back in padded (B, h, T, d_k) form and the padded path's own attention
+    (SDPA with the key mask, or the CPU dropout path), then packed again. It is what CPUs run, and the
+    equality of outputs and gradients with the padded model is what the tests check.
+"""
+from typing import NamedTuple, Optional
+
+import torch
+
+try:  # optional: pip install flash-attn (CUDA builds only)
+    from flash_attn import flash_attn_varlen_func
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_varlen_func = None
+
+
+class Packing(NamedTuple):
+    """Where the real tokens of a right-padded (B, T) batch sit once packed."""
+    index: torch.Tensor  # (N,) each real token's position in the flattened (B*T) batch
+    cu_seqlens: torch.Tensor  # (B+1,) int32: sentence b is rows [cu[b], cu[b+1]) of the packing
+    lengths: torch.Tensor  # (B,)
+    max_len: int
+    B: int
+    T: int
+
+
+class VarlenMask(NamedTuple):
+    """Passed as an attention's `mask`: the packing of its queries and that of its keys."""
+    q: Packing
+    k: Packing
+
+
+def packing(real: torch.Tensor) -> Packing:
+    """real (B, T) bool, True at real tokens, which come first in every row (right padding)."""
+    B, T = real.shape
+    lengths = real.sum(dim=1)  # (B,)
+    cu = torch.zeros(B + 1, dtype=torch.int32, device=real.device)
+    cu[1:] = lengths.cumsum(0)
+    return Packing(real.flatten().nonzero().squeeze(1), cu, lengths, int(lengths.max()), B, T)
+
+
+def pack(x: torch.Tensor, p: Packing) -> torch.Tensor:
+    """x (B, T, ...) -> (N, ...): the real positions only."""
+    return x.flatten(0, 1).index_select(0, p.index)
+
+
+def unpack(x: torch.Tensor, p: Packing) -> torch.Tensor:
+    """x (N, ...) -> (B, T, ...), zeros at the padded positions."""
+    out = x.new_zeros(p.B * p.T, *x.shape[1:])
+    return out.index_copy(0, p.index, x).view(p.B, p.T, *x.shape[1:])
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: VarlenMask, is_causal: bool,
+                     dropout_p: float, padded_attention) -> torch.Tensor:
+    """q (N_q, h, d_k), k and v (N_k, h, d_k) -> (N_q, h, d_k). `padded_attention(q, k, v, mask, is_causal, p)`
+    is the padded path's attention on (B, h, T, d_k) tensors, used by the reference."""
+    qp, kp = mask
+    if q.is_cuda and flash_attn_varlen_func is not None:
+        return flash_attn_varlen_func(q, k, v, qp.cu_seqlens, kp.cu_seqlens, qp.max_len, kp.max_len,
+                                      dropout_p=dropout_p, causal=is_causal)
+    if q.is_cuda and dropout_p == 0:
+        from torch.nn.attention.varlen import varlen_attn
+        return varlen_attn(q, k, v, qp.cu_seqlens, kp.cu_seqlens, qp.max_len, kp.max_len,
+                           window_size=(-1, 0) if is_causal else (-1, -1))
+    return _reference(q, k, v, qp, kp, is_causal, dropout_p, padded_attention)
+
+
+def _reference(q, k, v, qp: Packing, kp: Packing, is_causal: bool, dropout_p: float, padded_attention):
+    def padded(x, p):
+        return unpack(x, p).transpose(1, 2)  # (B, h, T, d_k)
+
+    key_mask: Optional[torch.Tensor] = None
+    if not is_causal:  # causal self-attention: a real query sees only earlier (real) keys
+        key_mask = (torch.arange(kp.T, device=k.device)[None, :] < kp.lengths[:, None])[:, None, None, :]
+    out = padded_attention(padded(q, qp), padded(k, kp), padded(v, kp), key_mask, is_causal, dropout_p)
+    return pack(out.transpose(1, 2), qp)  # (N_q, h, d_k)
