@@ -257,3 +257,27 @@ def test_reading_a_folder_without_transformers_installed_is_one_line(tmp_path, m
     monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when not installed
     with pytest.raises(InteropError, match=r"needs the Python package transformers: pip install 'transformer\["):
         load_checkpoint(tmp_path / "marian")
+
+
+def test_init_from_a_folder_refuses_a_config_asking_for_another_vocabulary(tmp_path, make_cfg):
+    """trainer.init_from=DIR keeps the folder's tokenizer; a config asking for another size or kind is refused in
+    one line naming both (the folder has no config: its tokenizer state says what it is)."""
+    from transformer.config import ConfigError
+    from transformer.training.init_from import prepare_init_from
+
+    model, tok = trained_model("all", True), tokenizer(True)
+    atomic_save(checkpoint(model, tok), tmp_path / "m.pt")
+    assert export_cli.main([str(tmp_path / "m.pt"), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    size = tok.state_dict()
+    ok = make_cfg("tokenizer=bpe", f"tokenizer.vocab_size={tok.src_vocab_size}", "tokenizer.tgt_vocab=seen",
+                  f"trainer.init_from={tmp_path / 'hf'}")
+    from transformer.cli.train import check
+    check(ok)  # the command line's check takes a folder for trainer.init_from
+    with pytest.raises(ConfigError, match="no such checkpoint file or Hugging Face model folder"):
+        check(make_cfg(f"trainer.init_from={tmp_path / 'missing'}"))
+    init = prepare_init_from(ok)
+    assert init.tokenizer_state["json"] and init.tokenizer_state["n_tgt"] == size["n_tgt"]
+    other = make_cfg("tokenizer=bpe", "tokenizer.vocab_size=6000", "tokenizer.tgt_vocab=seen",
+                     f"trainer.init_from={tmp_path / 'hf'}")
+    with pytest.raises(ConfigError, match=f"tokenizer.vocab_size=6000 \\(the checkpoint's: {tok.src_vocab_size}\\)"):
+        prepare_init_from(other)

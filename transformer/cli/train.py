@@ -45,8 +45,12 @@ def check(cfg: DictConfig) -> None:
     build_task(cfg).metric(cfg.checkpoint.best_metric)
     for key in ("resume", "init_from"):
         value = cfg.trainer[key]
-        if value not in (None, "auto", "none") and not Path(value).is_file():
-            raise ConfigError(f"trainer.{key}={value!r}: no such checkpoint file")
+        if value in (None, "auto", "none") or Path(value).is_file():
+            continue
+        if key == "init_from" and Path(value).is_dir():  # a Hugging Face model folder (transformer/interop/hf.py)
+            continue
+        raise ConfigError(f"trainer.{key}={value!r}: no such checkpoint file"
+                          + (" or Hugging Face model folder" if key == "init_from" else ""))
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator='gpu': torch sees no CUDA GPU (torch.cuda.is_available() is False)")
 

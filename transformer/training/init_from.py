@@ -25,7 +25,21 @@ class InitFrom:
 
 def read_init_from(path: str) -> InitFrom:
     ckpt = load_checkpoint(path)
-    return InitFrom(path, ckpt, ckpt["tokenizer"], ckpt.get("config") or {})
+    config = ckpt.get("config") or {}
+    if "tokenizer" not in config:  # a Hugging Face folder: its tokenizer's settings, as far as its state says them
+        config = {**config, "tokenizer": tokenizer_settings(ckpt["tokenizer"])}
+    return InitFrom(path, ckpt, ckpt["tokenizer"], config)
+
+
+def tokenizer_settings(state: dict) -> dict:
+    """The `tokenizer.*` settings a tokenizer state shows without the config that made it: a shared BPE
+    vocabulary's type, size and target subset (an imported Hugging Face folder carries no config)."""
+    if state.get("name") != "bpe" or "json" not in state:
+        return {}
+    from tokenizers import Tokenizer
+
+    size = Tokenizer.from_str(state["json"]).get_vocab_size(with_added_tokens=True)
+    return {"name": "bpe", "vocab_size": size, "tgt_vocab": "seen" if "n_tgt" in state else "full"}
 
 
 def prepare_init_from(cfg) -> Optional[InitFrom]:
