@@ -244,7 +244,8 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     todo, skipped = bench_gpu.plan(args, keys)
     runs = {(w, s) for w, s, _ in todo}
     assert {(w, "eager") for w in ("multi30k", "base@recipe", "base@16k", "big@recipe", "big@16k", "big@32k")} <= runs
-    assert {("big@16k", "compile"), ("base@recipe", "loss=reference"), ("big@16k", "small_batches")} <= runs
+    assert {("big@16k", "compile"), ("base@recipe", "loss=reference"), ("big@16k", "small_batches"),
+            ("big@16k", "compile+bf16_residual"), ("base@16k", "unpadded")} <= runs
     assert {(s["workload"], s["switches"]) for s in skipped} == {("big@16k", "wishful"), ("base@16k", "wishful")}
     assert "model.no_such_switch" in skipped[0]["why"]
     overrides = dict((w, o) for w, s, o in todo if s == "eager")
@@ -252,7 +253,7 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     args.dry_run, args.switch = True, None
     todo, skipped = bench_gpu.plan(args, keys)
     assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
-    assert {s["switches"] for s in skipped} == {"compile"}
+    assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual"}
 
 
 @pytest.mark.slow
