@@ -325,3 +325,6 @@ def test_changed_settings_lists_differences_but_not_the_run_length():
     assert changed_settings(saved, now) == ["eval.tune_lenpen=[1.0, 1.2] -> [1.0]", "seed=1 -> 2",
                                             "trainer.new_key=<none> -> 3"]
     assert changed_settings(saved, saved) == []
+    # A key an older version's config lacked changed nothing if it has its schema default now.
+    older = {"logger": {"trackers": ["tensorboard"]}, "model": {"activation": "relu"}, "trainer": {"nonfinite": "stop"}}
+    assert changed_settings({}, older) == ["trainer.nonfinite=<none> -> stop"]

@@ -213,6 +213,21 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)  # trackers: tensorboard, wandb, mlflow
 
 
+def schema_defaults() -> dict:
+    """Every section's defaults as the schemas give them (the groups' schemas for model, data and tokenizer),
+    as plain containers: what a key that an older config lacks would have been."""
+    import dataclasses
+    out = {}
+    for f in dataclasses.fields(Config):
+        if f.default_factory is not dataclasses.MISSING:
+            out[f.name] = dataclasses.asdict(f.default_factory())
+        elif f.default is not MISSING:
+            out[f.name] = f.default
+    for name, schema in (("model", ModelConfig), ("data", DataConfig), ("tokenizer", TokenizerConfig)):
+        out[name] = dataclasses.asdict(schema())
+    return out
+
+
 def register_configs() -> None:
     """`conf/config.yaml` lists `config_schema` first: every group merges into its typed node."""
     ConfigStore.instance().store(name="config_schema", node=Config)

@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from transformer.atomic import atomic_open, fsync_dir
+from transformer.config import schema_defaults
 from transformer.environment import machine_error
 from transformer.model.projections import fuse_optimizer_state, fuse_projections
 from transformer.model.transformer import ModelArgs, Transformer
@@ -49,11 +50,12 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def changed_settings(saved: dict, current: dict) -> List[str]:
     """`key=old -> new` for each setting (flattened config) in which `current` differs from the config a
-    checkpoint was written with, apart from MAY_CHANGE_ON_RESUME; `<none>` marks a key one side lacks."""
-    old, new = _flat(saved), _flat(current)
+    checkpoint was written with, apart from MAY_CHANGE_ON_RESUME; `<none>` marks a key one side lacks. A key
+    that an older version's config lacks and that has its schema default now changed nothing."""
+    old, new, default = _flat(saved), _flat(current), _flat(schema_defaults())
     keys = sorted(k for k in old.keys() | new.keys() if k.split(".")[0] != "hydra" and k not in MAY_CHANGE_ON_RESUME)
     pairs = [(k, old.get(k, "<none>"), new.get(k, "<none>")) for k in keys]
-    return [f"{k}={a} -> {b}" for k, a, b in pairs if a != b]
+    return [f"{k}={a} -> {b}" for k, a, b in pairs if a != b and not (k not in old and default.get(k, a) == b)]
 
 
 def atomic_save(obj, path: Path) -> None:
