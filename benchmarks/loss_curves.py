@@ -9,6 +9,7 @@ Adam and the Noam schedule of experiment=copy (factor 0.25, warmup 200), P_drop 
   bf16           bf16 autocast (trainer.precision=bf16), switches off
   bf16_residual  bf16 autocast with trainer.bf16_residual=true
   unpadded       fp32 with trainer.unpadded_attention=true
+  reference_loss fp32 with trainer.loss=reference (log_softmax and autograd) instead of the fused loss
 A variant whose switch this version lacks is reported as skipped. Printed for each variant against the first:
 the mean and the largest relative gap between the two curves smoothed over --window steps, the first step at
 which the raw losses differ by more than 1e-4, and the mean loss of the last --window steps. The largest gap
@@ -37,7 +38,9 @@ SWITCHES = {  # variant -> (autocast, model method that turns its switch on, or 
     "bf16": (True, None),
     "bf16_residual": (True, "set_bf16_residual"),
     "unpadded": (False, "set_unpadded_attention"),
+    "reference_loss": (False, None),
 }
+LOSS = {"reference_loss": {"impl": "reference"}}  # variant -> label_smoothed_cross_entropy's keyword arguments
 VOCAB = 24
 
 
@@ -72,7 +75,10 @@ def train(variant: str, steps: int, seed: int, sentences: int = 32, dropout: flo
         src, tgt_in, tgt_out = copy_batch(g, sentences, 3, 16)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
             logits = model(src, tgt_in)  # (B, T, V)
-        loss, _ = label_smoothed_cross_entropy(logits, tgt_out, 0.1, PAD)
+        try:
+            loss, _ = label_smoothed_cross_entropy(logits, tgt_out, 0.1, PAD, **LOSS.get(variant, {}))
+        except TypeError:  # a version whose loss has one implementation
+            return None
         loss = loss / (tgt_out != PAD).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -128,7 +134,7 @@ def main(argv=None) -> int:
         losses = train(name, args.steps, args.seed, dropout=args.dropout)
         seconds[name] = time.perf_counter() - start
         if losses is None:
-            print(f"{name:14s} skipped: this version has no {SWITCHES[name][1]}")
+            print(f"{name:14s} skipped: this version has no {SWITCHES[name][1] or LOSS[name]}")
             continue
         curves[name] = losses
     if args.out:
