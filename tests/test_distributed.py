@@ -128,7 +128,7 @@ def test_dist_two_workers_equal_one_worker_accumulating(tmp_path):
     torchrun_dir = only_run_dir(tmp_path / "torchrun", "torchrun-equal")
     for run in (spawn_dir, torchrun_dir):
         assert (run / ".hydra" / "config.yaml").is_file() and (run / "train.log").is_file()
-        assert sorted(p.name for p in run.iterdir()) == [".hydra", "checkpoints", "metrics.jsonl",
+        assert sorted(p.name for p in run.iterdir()) == [".hydra", "checkpoints", "metrics.jsonl", "run.lock",
                                                          "tensorboard", "train.log"]
 
     acc, spawned, launched = (last_ckpt(tmp_path / "acc" / "run"), last_ckpt(spawn_dir), last_ckpt(torchrun_dir))

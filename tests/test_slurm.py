@@ -174,8 +174,8 @@ def test_sbatch_two_cpu_workers_run_to_completion(uninterrupted):
     # The README's places: slurm-<jobid>.out and outputs/slurm-<jobid>/ in the submit folder, nothing else.
     run = cwd / "outputs" / f"slurm-{job_id}"
     assert sorted(p.name for p in cwd.iterdir()) == ["outputs", f"slurm-{job_id}.out"]
-    assert sorted(p.name for p in run.iterdir()) == [".hydra", "checkpoints", "metrics.jsonl", "tensorboard",
-                                                     "train.log"], files_under(cwd)
+    assert sorted(p.name for p in run.iterdir()) == [".hydra", "checkpoints", "metrics.jsonl", "run.lock",
+                                                     "tensorboard", "train.log"], files_under(cwd)
     assert f"slurm.sbatch: job {job_id} on 1 node(s), restart 0" in out
     assert "2 worker(s) on cpu" in out and f"test step {STEPS}" in out
     ck = last_ckpt(run)
