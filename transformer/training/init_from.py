@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from transformer.config import ConfigError, to_container
+from transformer.data.tokenizer import tokenizer_from_state
 from transformer.training.checkpoint import load_checkpoint
 
 
@@ -34,11 +35,9 @@ def read_init_from(path: str) -> InitFrom:
 def tokenizer_settings(state: dict) -> dict:
     """The `tokenizer.*` settings a tokenizer state shows without the config that made it: a shared BPE
     vocabulary's type, size and target subset (an imported Hugging Face folder carries no config)."""
-    if state.get("name") != "bpe" or "json" not in state:
+    if state.get("name") != "bpe":
         return {}
-    from tokenizers import Tokenizer
-
-    size = Tokenizer.from_str(state["json"]).get_vocab_size(with_added_tokens=True)
+    size = tokenizer_from_state(state).src_vocab_size  # the shared vocabulary: every type, specials included
     return {"name": "bpe", "vocab_size": size, "tgt_vocab": "seen" if "n_tgt" in state else "full"}
 
 
