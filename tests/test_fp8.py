@@ -2,6 +2,7 @@
 before sm_89, ROCm, no torchao), checked before the run directory exists; on a CPU, the conversion itself
 (torchao builds and runs its float8 layers there): which layers it takes, and checkpoints that stay plain.
 On a GPU of sm_89 or newer, a short fp8 training run against bf16."""
+import functools
 import importlib.util
 import sys
 
@@ -160,6 +161,33 @@ def test_a_float8_checkpoint_loads_into_a_plain_model_and_back():
     back.load_state_dict(plain.state_dict(), strict=True)
     assert all(torch.equal(v, saved[k]) for k, v in back.state_dict().items())
     assert torch.equal(back(src, tgt), model(src, tgt))  # the stacked products read the loaded weight too
+
+
+@needs_torchao
+def test_a_float8_trainer_checkpoint_resumes_a_plain_trainer_and_back(tmp_path, monkeypatch):
+    """The trainer's whole checkpoint (weights, Adam's state) moves between an fp8 and an fp32 run. The CPU
+    refusal is lifted here only, and torchao emulates the float8 products."""
+    from tests.test_trainer import make_trainer
+    from transformer.training.checkpoint import atomic_save, load_checkpoint
+
+    monkeypatch.setattr(fp8, "refusal", lambda device: None)
+    monkeypatch.setattr(fp8, "convert", functools.partial(fp8.convert, emulate=True))
+    f8 = make_trainer(tmp_path / "fp8", "trainer.precision=fp8", "model.dropout=0.0")
+    assert any(type(m).__name__ == "Float8Linear" for m in f8.model.modules())
+    batches = list(f8.data.train_loader(0))
+    for b in batches[:3]:
+        f8._optimizer_step([b])
+        f8.step += 1
+    atomic_save(f8.state_dict(), tmp_path / "fp8.pt")
+    plain = make_trainer(tmp_path / "fp32", "model.dropout=0.0", seed_model=5)
+    plain.load_state_dict(load_checkpoint(tmp_path / "fp8.pt"), str(tmp_path / "fp8.pt"))
+    assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), f8.model.parameters(), strict=True))
+    plain._optimizer_step([batches[3]])
+    atomic_save(plain.state_dict(), tmp_path / "fp32.pt")
+    again = make_trainer(tmp_path / "fp8-again", "trainer.precision=fp8", "model.dropout=0.0", seed_model=6)
+    again.load_state_dict(load_checkpoint(tmp_path / "fp32.pt"), str(tmp_path / "fp32.pt"))
+    assert again.step == 3
+    assert all(torch.equal(a, b) for a, b in zip(again.model.parameters(), plain.model.parameters(), strict=True))
 
 
 # ---- on a GPU of sm_89 or newer -----------------------------------------------------------------------------
