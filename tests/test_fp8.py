@@ -209,3 +209,26 @@ def test_fp8_training_on_gpu_keeps_close_to_bf16(tmp_path):
     bf16, f8 = curves["bf16"], curves["fp8"]
     assert f8[-10:].mean() < f8[:10].mean()  # it learns
     assert abs(f8[-20:].mean() - bf16[-20:].mean()) / bf16[-20:].mean() < 0.05, (f8[-20:], bf16[-20:])
+
+
+# ---- benchmarks/loss_curves.py's fp8 variant ----------------------------------------------------------------
+
+def test_loss_curves_skips_fp8_on_a_cpu_and_says_why(capsys):
+    from benchmarks.loss_curves import main
+
+    assert main(["--variants", "fp32,fp8", "--steps", "3", "--window", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "fp8            skipped: trainer.precision=fp8 needs an NVIDIA GPU" in out
+    gaps = [ln.split()[0] for ln in out.splitlines() if "mean gap" in ln]
+    assert gaps == ["fp32"], out
+
+
+@needs_torchao
+def test_loss_curves_fp8_variant_trains_the_converted_model(monkeypatch):
+    """With torchao emulating the products (the CPU has no float8 units), the variant's curve is its own: near
+    fp32's, never equal to it."""
+    from benchmarks.loss_curves import train
+
+    monkeypatch.setattr(fp8, "convert", functools.partial(fp8.convert, emulate=True))
+    f8, ref = train("fp8", 4, 1234, dropout=0.0), train("bf16", 4, 1234, dropout=0.0)
+    assert f8 != ref and all(abs(a - b) / b < 0.1 for a, b in zip(f8, ref, strict=True)), (f8, ref)
