@@ -192,23 +192,35 @@ def test_a_float8_trainer_checkpoint_resumes_a_plain_trainer_and_back(tmp_path, 
 
 # ---- on a GPU of sm_89 or newer -----------------------------------------------------------------------------
 
-@pytest.mark.gpu
-def test_fp8_training_on_gpu_keeps_close_to_bf16(tmp_path):
+def sm89_or_skip() -> None:
     why = fp8.refusal(torch.device("cuda", 0))
     if why is not None:
         pytest.skip(why)
+
+
+@pytest.mark.gpu
+def test_fp8_trainer_on_gpu_learns(tmp_path):
+    """The whole path: parallelize converts, the Trainer's steps (bf16 autocast around float8 products) learn."""
+    sm89_or_skip()
     from tests.test_gpu import batches, loss_curve, make_trainer
 
-    curves = {}
-    for precision in ("bf16", "fp8"):
-        (tmp_path / precision).mkdir()
-        t = make_trainer(tmp_path / precision, precision)
-        if precision == "fp8":
-            assert any(type(m).__name__ == "Float8Linear" for m in t.model.modules())
-        curves[precision] = loss_curve(t, batches(t, 120))
-    bf16, f8 = curves["bf16"], curves["fp8"]
-    assert f8[-10:].mean() < f8[:10].mean()  # it learns
-    assert abs(f8[-20:].mean() - bf16[-20:].mean()) / bf16[-20:].mean() < 0.05, (f8[-20:], bf16[-20:])
+    t = make_trainer(tmp_path, "fp8")
+    # encoder layers: out_proj, w1, w2; decoder layers also q_proj and the cross-attention out_proj
+    assert sum(type(m).__name__ == "Float8Linear" for m in t.model.modules()) == 2 * 3 + 2 * 5
+    assert t.model.memory_kv_proj.float8 is not None
+    curve = loss_curve(t, batches(t, 60))
+    assert curve[-10:].mean() < curve[:10].mean() and all(curve == curve), curve
+
+
+@pytest.mark.gpu
+def test_fp8_loss_curve_on_gpu_stays_close_to_bf16():
+    """benchmarks/loss_curves.py on the GPU: the same seed, batches and dropout draws in bf16 and fp8. Emulated
+    float8 against fp32 on a CPU keeps the smoothed curves well within the bound asserted here."""
+    sm89_or_skip()
+    from benchmarks.loss_curves import compare, train
+
+    r = compare({"fp8": train("fp8", 300, 1234, device="cuda")}, train("bf16", 300, 1234, device="cuda"), 20)["fp8"]
+    assert r["mean_rel_gap"] < 0.03 and r["first_apart"] is not None, r
 
 
 # ---- benchmarks/loss_curves.py's fp8 variant ----------------------------------------------------------------
@@ -232,3 +244,16 @@ def test_loss_curves_fp8_variant_trains_the_converted_model(monkeypatch):
     monkeypatch.setattr(fp8, "convert", functools.partial(fp8.convert, emulate=True))
     f8, ref = train("fp8", 4, 1234, dropout=0.0), train("bf16", 4, 1234, dropout=0.0)
     assert f8 != ref and all(abs(a - b) / b < 0.1 for a, b in zip(f8, ref, strict=True)), (f8, ref)
+
+
+@needs_torchao
+@pytest.mark.slow
+def test_emulated_fp8_keeps_the_fp32_loss_curve_on_a_cpu(monkeypatch):
+    """300 steps of model=tiny on the copy task (benchmarks/loss_curves.py): float8 products emulated by torchao
+    against fp32, the smoothed curves within 2% on average (the issue's bar for the switches that keep the
+    mathematics; float8 rounds, so only near)."""
+    from benchmarks.loss_curves import compare, train
+
+    monkeypatch.setattr(fp8, "convert", functools.partial(fp8.convert, emulate=True))
+    r = compare({"fp8": train("fp8", 300, 1234)}, train("fp32", 300, 1234), 20)["fp8"]
+    assert r["mean_rel_gap"] < 0.02 and r["first_apart"] is not None, r
