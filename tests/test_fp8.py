@@ -145,6 +145,25 @@ def test_fp8_products_are_close_to_the_plain_ones_and_train_every_parameter():
 
 
 @needs_torchao
+def test_the_converted_model_compiles_in_one_graph():
+    """trainer.compile over fp8 (the way its casts get fused on a GPU): Dynamo traces the Float8Linears and the
+    stacked projections' float8 products without a graph break (aot_eager: the CPU has no float8 kernels)."""
+    from torch._dynamo.utils import counters
+
+    model = small_model()
+    fp8.convert(model, emulate=True)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="aot_eager")
+    src, tgt = torch.randint(4, 40, (3, 9)), torch.randint(4, 40, (3, 7))
+    y = compiled(src, tgt)
+    y.sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
+    assert torch.allclose(y, model(src, tgt), atol=1e-5)
+    torch._dynamo.reset()
+
+
+@needs_torchao
 def test_a_float8_checkpoint_loads_into_a_plain_model_and_back():
     model = small_model(seed=1)
     fp8.convert(model, emulate=True)
