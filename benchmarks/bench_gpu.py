@@ -44,13 +44,17 @@ SWITCH_SETS = {
     "unpadded": ("trainer.unpadded_attention=true", "model.dropout=0.0"),
     "compile": ("trainer.compile=true",),
     "loss=reference": ("trainer.loss=reference",),  # the log_softmax loss the fused one replaces
+    "fp8": ("trainer.precision=fp8",),  # float8 Linear products (torchao; sm_89+), bf16 elsewhere
+    "compile+fp8": ("trainer.compile=true", "trainer.precision=fp8"),  # torchao's casts fused by the compiler
 }
 # What runs, most telling first (past --budget-s the rest is skipped): the main workloads eager, each other
 # switch set at 16k, the remaining workloads eager, then the switch sets at the recipes' sizes.
 PLAN = ([(w, "eager") for w in ("big@16k", "base@16k", "big@recipe", "multi30k")]
+        + [("big@16k", s) for s in ("fp8", "compile", "compile+fp8")]  # fp8 against bf16 while time is left
         + [(w, s) for w in ("big@16k", "base@16k") for s in SWITCH_SETS if s != "eager"]
         + [(w, "eager") for w in ("base@recipe", "big@32k")]
         + [(w, s) for w in ("big@recipe", "base@recipe") for s in SWITCH_SETS if s != "eager"])
+PLAN = list(dict.fromkeys(PLAN))  # each run once, at its first place
 COMMON = ("bench.synthetic=true", "bench.warmup=10", "trainer.progress=false")  # bench.steps: 100 on a GPU
 # --dry-run: the same plan on a CPU, shrunk to seconds a run (compilation, minutes on a CPU, is skipped).
 DRY = ("model=tiny", "model.N=1", "bench.sentences=300", "bench.vocab_size=300", "bench.max_len=30",
@@ -218,6 +222,8 @@ def plan(args, keys: set) -> tuple:
             skipped.append({"workload": workload, "switches": name, "why": f"not in this checkout: {lacking}"})
         elif args.dry_run and any(s.startswith("trainer.compile=true") for s in switch):
             skipped.append({"workload": workload, "switches": name, "why": "dry run: no compilation on a CPU"})
+        elif args.dry_run and "trainer.precision=fp8" in switch:  # the dry run's fp32 would replace it
+            skipped.append({"workload": workload, "switches": name, "why": "dry run: float8 needs a GPU of sm_89+"})
         else:
             todo.append((workload, name, [*WORKLOADS[workload], *COMMON, *switch, *(DRY if args.dry_run else ())]))
     return todo, skipped

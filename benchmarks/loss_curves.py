@@ -2,6 +2,7 @@
 batches and dropout draws (packed rows draw other masks), so a switch that keeps the mathematics keeps the curve.
 
     python benchmarks/loss_curves.py --steps 300 --variants fp32,bf16,bf16_residual,unpadded --out curves.json
+    python benchmarks/loss_curves.py --device cuda --steps 1000 --variants bf16,fp8 --out fp8.json   # a GPU
 
 The task is the copy task with sentences of varied lengths (3 to 16 symbols, so batches are padded), trained with
 Adam and the Noam schedule of experiment=copy (factor 0.25, warmup 200), P_drop 0.1, label smoothing 0.1. Variants:
@@ -10,13 +11,15 @@ Adam and the Noam schedule of experiment=copy (factor 0.25, warmup 200), P_drop 
   bf16_residual  bf16 autocast with trainer.bf16_residual=true
   unpadded       fp32 with trainer.unpadded_attention=true
   reference_loss fp32 with trainer.loss=reference (log_softmax and autograd) instead of the fused loss
-A variant whose switch this version lacks is reported as skipped. Printed for each variant against the first:
-the mean and the largest relative gap between the two curves smoothed over --window steps, the first step at
-which the raw losses differ by more than 1e-4, and the mean loss of the last --window steps. The largest gap
-measures chaos more than arithmetic: once the model starts to learn the copy, rounding-level differences
-shift the steep part of the curve by a few steps. The script runs on earlier versions of the package too (fp32
-and bf16): the stacked projections, which have no switch, are compared by running it once with each version
-on PYTHONPATH and comparing the --out files with --against.
+  fp8            trainer.precision=fp8: the Linear layers' products in float8 under bf16 autocast (GPU only:
+                 compute capability >= 8.9 and torchao; compare it with bf16 on the same --device)
+A variant whose switch this version lacks, or that cannot run on --device, is reported as skipped. Printed for each
+variant against the first: the mean and the largest relative gap between the two curves smoothed over --window
+steps, the first step at which the raw losses differ by more than 1e-4, and the mean loss of the last --window
+steps. The largest gap measures chaos more than arithmetic: once the model starts to learn the copy, rounding-level
+differences shift the steep part of the curve by a few steps. The script runs on earlier versions of the package too
+(fp32 and bf16): the stacked projections, which have no switch, are compared by running it once with each version on
+PYTHONPATH and comparing the --out files with --against.
 """
 import argparse
 import json
@@ -39,6 +42,7 @@ SWITCHES = {  # variant -> (autocast, model method that turns its switch on, or 
     "bf16_residual": (True, "set_bf16_residual"),
     "unpadded": (False, "set_unpadded_attention"),
     "reference_loss": (False, None),
+    "fp8": (True, None),  # transformer/training/fp8.py converts the model
 }
 LOSS = {"reference_loss": {"impl": "reference"}}  # variant -> label_smoothed_cross_entropy's keyword arguments
 VOCAB = 24
@@ -56,12 +60,17 @@ def copy_batch(g: torch.Generator, sentences: int, min_len: int, max_len: int):
     return src, tgt_in, tgt_out
 
 
-def train(variant: str, steps: int, seed: int, sentences: int = 32, dropout: float = 0.1) -> Optional[List[float]]:
-    """The per-step training loss (mean per target token) of model=tiny under `variant`; None where this
-    version of the model lacks the variant's switch."""
+def train(variant: str, steps: int, seed: int, sentences: int = 32, dropout: float = 0.1,
+          device: str = "cpu") -> Optional[List[float]]:
+    """The per-step training loss (mean per target token) of model=tiny under `variant` on `device`; None where
+    this version of the model lacks the variant's switch."""
     amp, switch = SWITCHES[variant]
     torch.manual_seed(seed)
     model = Transformer.from_config(ModelConfig(N=2, d_model=128, d_ff=256, h=4, dropout=dropout), VOCAB, VOCAB, True)
+    model.to(device)
+    if variant == "fp8":
+        from transformer.training import fp8
+        fp8.convert(model)
     if switch is not None:
         if not hasattr(model, switch):
             return None
@@ -72,8 +81,8 @@ def train(variant: str, steps: int, seed: int, sentences: int = 32, dropout: flo
     losses = []
     model.train()
     for _ in range(steps):
-        src, tgt_in, tgt_out = copy_batch(g, sentences, 3, 16)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        src, tgt_in, tgt_out = (t.to(device) for t in copy_batch(g, sentences, 3, 16))
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
             logits = model(src, tgt_in)  # (B, T, V)
         try:
             loss, _ = label_smoothed_cross_entropy(logits, tgt_out, 0.1, PAD, **LOSS.get(variant, {}))
@@ -87,6 +96,17 @@ def train(variant: str, steps: int, seed: int, sentences: int = 32, dropout: flo
         schedule.step()
         losses.append(loss.item())
     return losses
+
+
+def cannot_run(variant: str, device: str) -> Optional[str]:
+    """Why `variant` cannot run on `device` (fp8: a CPU, a GPU before sm_89, no torchao), or None."""
+    if variant != "fp8":
+        return None
+    try:
+        from transformer.training import fp8
+    except ImportError:  # a version of the package before trainer.precision=fp8
+        return "this version has no trainer.precision=fp8"
+    return fp8.refusal(torch.device(device))
 
 
 def smooth(xs: List[float], window: int) -> List[float]:
@@ -123,6 +143,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write the curves as JSON here")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1: steady on a shared machine)")
     ap.add_argument("--against", help="curves JSON of another run of this script: compare same-named variants")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (the fp8 variant needs a GPU of sm_89+)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     curves, seconds = {}, {}
@@ -130,8 +151,12 @@ def main(argv=None) -> int:
         if name not in SWITCHES:
             print(f"error: --variants: unknown variant {name!r} (known: {', '.join(SWITCHES)})", file=sys.stderr)
             return 2
+        why = cannot_run(name, args.device)
+        if why is not None:
+            print(f"{name:14s} skipped: {why}")
+            continue
         start = time.perf_counter()
-        losses = train(name, args.steps, args.seed, dropout=args.dropout)
+        losses = train(name, args.steps, args.seed, dropout=args.dropout, device=args.device)
         seconds[name] = time.perf_counter() - start
         if losses is None:
             print(f"{name:14s} skipped: this version has no {SWITCHES[name][1] or LOSS[name]}")
@@ -139,8 +164,11 @@ def main(argv=None) -> int:
         curves[name] = losses
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
-            json.dump({"torch": torch.__version__, "steps": args.steps, "seed": args.seed, "dropout": args.dropout,
-                       "curves": curves, "seconds": seconds}, f)
+            json.dump({"torch": torch.__version__, "device": args.device, "steps": args.steps, "seed": args.seed,
+                       "dropout": args.dropout, "curves": curves, "seconds": seconds}, f)
+    if not curves:
+        print("error: --variants: none of them ran here", file=sys.stderr)
+        return 2
     first = next(iter(curves))
     print(f"{args.steps} steps, seed {args.seed}, P_drop {args.dropout}, torch {torch.__version__}; gaps between "
           f"curves smoothed over {args.window} steps, relative to the reference ({first})")

@@ -73,7 +73,9 @@ class TrainerConfig:
     log_every: int = 50  # steps between logged training lines (metrics.jsonl, TensorBoard, console)
     devices: str = "auto"  # auto | N: workers spawned by this process (ignored under torchrun)
     accelerator: str = "auto"  # auto | cpu | gpu
-    precision: str = "auto"  # auto (bf16 where the GPU or CPU has bf16 units, else fp32) | fp32 | bf16 | fp16
+    # auto (bf16 where the GPU or CPU has bf16 units, else fp32) | fp32 | bf16 | fp16 | fp8 (the Linear layers' products
+    # in float8, the rest bf16: NVIDIA GPUs of compute capability >= 8.9, with the fp8 extra, torchao)
+    precision: str = "auto"
     resume: str = "auto"  # auto (last good checkpoint of the run directory) | none | PATH
     init_from: Optional[str] = None  # checkpoint whose weights only start a new run
     deterministic: bool = False  # torch's deterministic algorithms (bit-exact GPU resume; slower)
@@ -272,8 +274,8 @@ def check_trainer(t) -> None:
            "must be auto or a positive number")
     _check(t.accelerator in ("auto", "cpu", "gpu"), "trainer.accelerator", t.accelerator, "must be auto, cpu or gpu")
     _check(t.loss in ("fused", "reference"), "trainer.loss", t.loss, "must be one of fused, reference")
-    _check(t.precision in ("auto", "fp32", "bf16", "fp16"), "trainer.precision", t.precision,
-           "must be auto, fp32, bf16 or fp16")
+    _check(t.precision in ("auto", "fp32", "bf16", "fp16", "fp8"), "trainer.precision", t.precision,
+           "must be auto, fp32, bf16, fp16 or fp8")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")
     _check(t.nonfinite in ("skip", "stop"), "trainer.nonfinite", t.nonfinite, "must be skip or stop")
     _check(t.nonfinite_skips >= 0, "trainer.nonfinite_skips", t.nonfinite_skips, "must be >= 0")

@@ -19,6 +19,7 @@ from transformer.cli.compose import precheck
 from transformer.config import CONF_DIR, ConfigError, register_configs, to_container, validate
 from transformer.environment import describe, machine_error
 from transformer.tasks import build_task
+from transformer.training import fp8
 from transformer.training.launcher import USER_INPUT_ERRORS, launch
 
 # HF tokenizers' thread pool does not survive DataLoader workers forking after encoding; it says so noisily.
@@ -53,6 +54,7 @@ def check(cfg: DictConfig) -> None:
                           + (" or Hugging Face model folder" if key == "init_from" else ""))
     if cfg.trainer.accelerator == "gpu" and not torch.cuda.is_available():
         raise ConfigError("trainer.accelerator='gpu': torch sees no CUDA GPU (torch.cuda.is_available() is False)")
+    fp8.check(cfg.trainer)  # trainer.precision=fp8 where it cannot run: before the run directory is made
 
 
 def config_snapshot(cfg: DictConfig) -> dict:

@@ -12,7 +12,7 @@ new); `split_projections` is its inverse, for exporters that want the separate-p
 """
 import math
 import re
-from typing import Dict, List, NamedTuple, Sequence
+from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,9 @@ class StackedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(biased), d_out))
         self.register_buffer("bias_rows", torch.tensor([i for i, b in enumerate(biased) if b], dtype=torch.long),
                              persistent=False)
+        # trainer.precision=fp8 (transformer/training/fp8.py): (a float8 Linear over `weight`,); in a tuple, so
+        # it is no submodule and the state_dict keeps its keys.
+        self.float8: Optional[Tuple[nn.Module]] = None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -45,6 +48,9 @@ class StackedLinear(nn.Module):
         parts = self.weight.size(0) // self.d_out
         # Zero bias rows for the unbiased parts: their gradient is dropped, so no parameter collects rounding noise.
         bias = self.bias.new_zeros(parts, self.d_out).index_copy(0, self.bias_rows, self.bias)  # (n, d_out)
+        if self.float8 is not None:
+            out = self.float8[0](x)  # (..., n·d_out), bf16 under autocast
+            return out + bias.view(-1).to(out.dtype)
         return F.linear(x, self.weight, bias.view(-1))  # (..., n·d_out)
 
     def extra_repr(self) -> str:

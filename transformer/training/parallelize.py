@@ -11,8 +11,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from transformer.dist import DistEnv
-from transformer.training import speedups
-from transformer.training.logs import warn
+from transformer.training import fp8, speedups
+from transformer.training.logs import note, warn
 
 
 def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
@@ -26,7 +26,7 @@ def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype
         return torch.bfloat16 if speedups.native_bf16(device) else None
     if device.type == "cpu":
         return torch.bfloat16 if precision == "bf16" else None
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[precision]  # fp8: float8 Linears
 
 
 @dataclass
@@ -60,8 +60,9 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
     """Moves `model` to `env.device` and applies every training wrapper `cfg.trainer` asks for.
 
     In order: precision (trainer.precision: the autocast dtype, with a warning where bf16 is emulated, and a
-    grad scaler enabled for fp16), backend switches (TF32, deterministic cuBLAS, attention kernels, CPU
-    allocator: speedups.configure_backends), activation checkpointing (per layer, in place: parameter names
+    grad scaler enabled for fp16; fp8 refused where it cannot run, else its Linear layers converted: fp8.py),
+    backend switches (TF32, deterministic cuBLAS, attention kernels, CPU allocator:
+    speedups.configure_backends), activation checkpointing (per layer, in place: parameter names
     unchanged), DDP when the run has more than one worker, then torch.compile over the result.
 
     This is the one place a sharded data-parallel wrapper (FSDP2's `fully_shard` per encoder/decoder layer,
@@ -81,6 +82,7 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         grad scaler and the device.
     """
     tcfg = cfg.trainer
+    fp8.check(tcfg, env.device)  # a CPU, a GPU before sm_89, no torchao: refused, one line
     model = model.to(env.device)
     amp_dtype = autocast_dtype(tcfg.precision, env.device)
     slow_bf16 = speedups.emulated_bf16(env.device) if amp_dtype == torch.bfloat16 else None
@@ -88,6 +90,8 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         warn(slow_bf16)
     scaler = torch.amp.GradScaler("cuda", enabled=amp_dtype == torch.float16)
     speedups.configure_backends(tcfg, env.device)
+    if tcfg.precision == "fp8":  # transformer/training/fp8.py: float8 products, under the bf16 autocast above
+        note(f"trainer.precision=fp8: {len(fp8.convert(model))} linear layers multiply in float8")
     if tcfg.bf16_residual:  # transformer/model/residual.py: bf16 between sublayers under bf16 autocast
         model.set_bf16_residual(True)
     if tcfg.unpadded_attention:  # transformer/model/varlen.py: the training forward on packed real tokens
