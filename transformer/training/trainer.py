@@ -62,6 +62,7 @@ class Trainer:
         self.amp_dtype, self.scaler = parallel.amp_dtype, parallel.scaler
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
         self.pad_multiple = speedups.pad_multiple(self.tcfg)
+        data.packings = self.tcfg.unpadded_attention  # its batches carry host-made packings: no host sync
         self.timer: Optional[StepTimer] = None  # transformer-bench's phase timer
         self.step = self.epoch = self.batch_index = 0
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
@@ -323,7 +324,7 @@ class Trainer:
             sync = self.net.no_sync() if (self.env.distributed and not last) else contextlib.nullcontext()
             with sync:
                 with self.autocast():
-                    logits = self.net(batch.src, batch.tgt_in)  # (B, T, V)
+                    logits = self.net(batch.src, batch.tgt_in, packings=batch.packings)  # (B, T, V)
                 loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD,
                                                          impl=self.tcfg.loss, inplace=True)
                 self.scaler.scale(loss).backward()
