@@ -102,6 +102,14 @@ class DataModule:
             self._epochs[epoch] = data, sampler
         return self._epochs[epoch]
 
+    def set_budgets(self, max_tokens: int, max_tokens_by_epoch: Sequence[int] = ()) -> None:
+        """New token budgets for the training batches (trainer.micro_batch=fit), before the first epoch is
+        planned; validation keeps data.max_tokens."""
+        self._sampler_args.update(max_tokens=max_tokens, max_tokens_by_epoch=list(max_tokens_by_epoch))
+        train = self.train
+        self.train_sampler = TokenBatchSampler(train.src_sizes, train.tgt_sizes, **self._sampler_args)
+        self._epochs = {}
+
     def num_train_batches(self, epoch: int) -> int:
         return self._train(epoch)[1].num_batches(epoch)
 
