@@ -140,12 +140,15 @@ def fit_micro_batch(trainer, fits: Optional[Fits] = None) -> None:
         fits = MemoryProbe(trainer)
     data = trainer.data.train
     longest = int(max(data.src_sizes.max(initial=1), data.tgt_sizes.max(initial=1)))  # the sampler's lengths
-    chosen = choose(configured, longest, t.micro_batch_tolerance, fits, env)
-    if isinstance(fits, MemoryProbe):
-        fits.close()
+    asked = []
+    try:
+        chosen = choose(configured, longest, t.micro_batch_tolerance, lambda n: asked.append(n) or fits(n), env)
+    finally:
+        if isinstance(fits, MemoryProbe):
+            fits.close()
     apply(trainer, chosen)
-    log.info(describe(configured, chosen, env.world_size, f"probed {getattr(fits, 'probes', '?')} budget(s), "
-                                                          f"worst shape of {longest}-token examples"))
+    log.info(describe(configured, chosen, env.world_size,
+                      f"{len(asked)} budget(s) probed on {env.device}, {longest}-token examples at worst"))
 
 
 def apply(trainer, split: Split) -> None:
@@ -183,12 +186,10 @@ class MemoryProbe:
         self.saved = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
         data = trainer.data.train
         self.longest = int(max(data.src_sizes.max(initial=1), data.tgt_sizes.max(initial=1)))
-        self.probes = 0
 
     def __call__(self, max_tokens: int) -> bool:
         from transformer.training.loss import label_smoothed_cross_entropy
 
-        self.probes += 1
         B, T = worst_shape(max_tokens, self.longest)
         batch = probe_batch(B, T, self.trainer.tcfg.unpadded_attention).to(self.device)
         opt = self.trainer.optimizer
