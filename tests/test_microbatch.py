@@ -96,6 +96,42 @@ def test_all_ranks_take_the_smallest_micro_batch():
         choose(s, 200, 0.01, Budget(30000), OtherRanks([[len(splits)]]))  # a rank where nothing fits
 
 
+def _gloo_rank(rank: int, world_size: int, port: int, limits, out: str) -> None:
+    import json
+
+    from tests.helpers.dist import join_gloo
+    from transformer import dist
+    env = join_gloo(rank, world_size, port)
+    try:
+        try:
+            chosen = choose(Split(3300, 8), 200, 0.01, Budget(limits[rank]), env).to_dict()
+        except ValueError as e:
+            chosen = str(e)
+        with open(f"{out}/rank{rank}.json", "w") as f:
+            json.dump(chosen, f)
+    finally:
+        dist.close()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("limits, expect", [((30000, 9000), (8800, 3)), ((9000, 100), None)])
+def test_two_gloo_ranks_agree_on_the_smaller_gpu(tmp_path, limits, expect):
+    """Two real gloo workers whose GPUs (fake memory models) hold 30,000 and 9,000 tokens: both run 3 x 8,800;
+    when nothing fits on one of them, both refuse."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    from tests.helpers.cli import free_port
+    mp.spawn(_gloo_rank, args=(2, free_port(), limits, str(tmp_path)), nprocs=2)
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0 == r1
+    if expect is None:
+        assert r0.startswith("trainer.micro_batch=fit: not even")
+    else:
+        assert (r0["max_tokens"], r0["accumulate"]) == expect
+
+
 def test_refused_in_one_line_when_nothing_fits():
     with pytest.raises(ValueError) as e:
         choose(Split(3300, 8), 200, 0.01, Budget(100), DistEnv())
