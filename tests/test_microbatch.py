@@ -209,6 +209,48 @@ def test_a_checkpoint_without_a_choice_keeps_its_batches(tmp_path, caplog):
     assert again.accumulate == 4 and "written without it" in caplog.text
 
 
+def test_probe_step_on_a_cpu_with_a_fake_allocator(tmp_path, monkeypatch):
+    """The probe's own code path on a CPU, CUDA's memory functions replaced by a fake allocator whose peak is
+    the probe batch's token count: forward, loss, backward and Adam step run at the worst shape; the answers
+    follow the peak against (1 - margin) x total; afterwards the weights, the optimiser (no state) and the RNG
+    are as before, and fit_micro_batch applies the choice."""
+    from types import SimpleNamespace
+
+    from transformer.training import microbatch
+
+    seen = []
+    real_probe_batch, real_fork = microbatch.probe_batch, torch.random.fork_rng
+
+    def probe_batch(B, T, packed):
+        seen.append((B, T, packed))
+        return real_probe_batch(B, T, packed)
+
+    monkeypatch.setattr(microbatch, "probe_batch", probe_batch)
+    monkeypatch.setattr(torch.random, "fork_rng", lambda devices: real_fork(devices=[]))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=1000))
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda d: seen[-1][0] * seen[-1][1])
+
+    t = make_trainer(tmp_path, "trainer.micro_batch=fit", "trainer.accumulate=4", "trainer.unpadded_attention=true")
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    rng = torch.get_rng_state()
+    probe = microbatch.MemoryProbe(t)  # limit: 0.9 x 1000
+    longest = probe.longest
+    assert probe(800) == (worst_shape(800, longest)[0] * longest <= 900)
+    assert not probe(1000)
+    assert seen[-1] == (*worst_shape(1000, longest), True)  # unpadded attention: a packed probe batch
+    assert all(p.grad is None for p in t.model.parameters()) and t.optimizer.state  # Adam stepped, grads freed
+    probe.close()
+    assert not t.optimizer.state and torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+    fit_micro_batch(t, fits=microbatch.MemoryProbe(t))
+    assert t.accumulate * t.data.train_sampler.max_tokens <= 800 and t.data.train_sampler.max_tokens <= 900
+    assert t.accumulate == min(c.accumulate for c in candidates(Split(200, 4), longest, 0.01)
+                               if worst_shape(c.max_tokens, longest)[0] * longest <= 900)
+    assert not t.optimizer.state and all(torch.equal(before[k], v) for k, v in t.model.state_dict().items())
+
+
 @pytest.mark.gpu
 def test_gpu_fit_probes_chooses_and_leaves_the_model_as_it_was(tmp_path):
     """On a GPU, the real probe: the tiny copy model's micro-batches of 4 x 200 tokens fit in one, the update
