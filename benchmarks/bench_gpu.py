@@ -54,6 +54,14 @@ PLAN = ([(w, "eager") for w in ("big@16k", "base@16k", "big@recipe", "multi30k")
         + [(w, s) for w in ("big@16k", "base@16k") for s in SWITCH_SETS if s != "eager"]
         + [(w, "eager") for w in ("base@recipe", "big@32k")]
         + [(w, s) for w in ("big@recipe", "base@recipe") for s in SWITCH_SETS if s != "eager"])
+# trainer.micro_batch=fit: the WMT14 recipes' 8-GPU update on one GPU (1 x 8 x 3,300 tokens), as 8 micro-batches
+# (fixed) and as the largest micro-batch the GPU holds (fit); fewer steps: a step of 8 micro-batches is long.
+FIT_SETS = {"acc8": ("trainer.accumulate=8", "trainer.micro_batch=fixed"),
+            "acc8+fit": ("trainer.accumulate=8", "trainer.micro_batch=fit")}
+FIT_SETS = {k: (*v, "bench.steps=30", "bench.repeats=2", "bench.warmup=5") for k, v in FIT_SETS.items()}
+SWITCH_SETS.update(FIT_SETS)
+PLAN[4:4] = [("big@recipe", s) for s in FIT_SETS]  # after the main workloads eager
+PLAN += [("base@recipe", s) for s in FIT_SETS]
 PLAN = list(dict.fromkeys(PLAN))  # each run once, at its first place
 COMMON = ("bench.synthetic=true", "bench.warmup=10", "trainer.progress=false")  # bench.steps: 100 on a GPU
 # --dry-run: the same plan on a CPU, shrunk to seconds a run (compilation, minutes on a CPU, is skipped).

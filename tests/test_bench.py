@@ -271,10 +271,11 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     assert records[0]["kind"] == "machine" and records[0]["dry_run"] and records[0]["commit"]
     benches = [r for r in records if r["kind"] == "bench"]
     assert {(r["workload"], r["switches"]) for r in benches} == {
-        (w, s) for w in ("base@recipe", "base@16k") for s in ("eager", "loss=reference", "bf16_residual", "unpadded")}
+        (w, s) for w in ("base@recipe", "base@16k") for s in ("eager", "loss=reference", "bf16_residual", "unpadded")
+    } | {("base@recipe", "acc8"), ("base@recipe", "acc8+fit")}
     assert all(r["model"]["N"] == 1 and r["steps"] == 1 and r["top_ops"] for r in benches)
     assert all(r["commit"] == records[0]["commit"] for r in benches)
     md = out.with_suffix(".md").read_text()
     assert records[0]["torch"] in md and records[0]["commit"] in md
-    assert md.count("| base@") == 16  # eight runs, and eight rows of compile and fp8 sets skipped in a dry run
+    assert md.count("| base@") == 18  # ten runs, and eight rows of compile and fp8 sets skipped in a dry run
     assert "Top " in md and "ops by self CPU time" in md and md.strip() in res.stdout

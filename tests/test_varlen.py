@@ -1,12 +1,17 @@
 """trainer.unpadded_attention (transformer/model/varlen.py): the packed model's outputs and gradients equal the
 padded model's on a batch of varied lengths (P_drop 0), on the CPU reference path."""
+import traceback
+
+import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.test_trainer import make_trainer
 from transformer.config import ModelConfig
+from transformer.data.batch import collate
 from transformer.model import Transformer
-from transformer.model.varlen import pack, packing, unpack
+from transformer.model.varlen import host_packing, pack, packing, unpack
 from transformer.specials import PAD
 from transformer.training.loss import label_smoothed_cross_entropy
 
@@ -80,3 +85,138 @@ def test_cuda_varlen_kernel_equals_padded(dropout):
         loss, _ = label_smoothed_cross_entropy(model(src, tgt), tgt, 0.1, PAD)
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+# ---- packings made on the host by the loader's collate: the same tensors, no host sync ------------------------
+
+class SyncRecorder(TorchDispatchMode):
+    """Records the aten calls that read a device value on the host (item(), int(t), bool(t), nonzero): on a GPU
+    each is a host sync. On a CPU they are cheap but still counted, which is how these tests see them."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "is_nonzero", "item"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []  # (op name, the innermost frames of this project)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.SYNCING:
+            frames = [f"{f.filename}:{f.lineno}" for f in traceback.extract_stack()
+                      if "/transformer/" in f.filename or "torch/optim" in f.filename]
+            self.calls.append((func.overloadpacket.__name__, frames[-3:]))
+        return func(*args, **(kwargs or {}))
+
+
+def varied_items():
+    src, tgt = varied_batch()
+    pairs = zip(src, tgt, strict=True)
+    return [(i, s[s != PAD][:-1].numpy(), t[t != PAD][1:].numpy()) for i, (s, t) in enumerate(pairs)]
+
+
+def test_host_packing_equals_device_packing():
+    rng = np.random.default_rng(0)
+    for B, T in [(1, 1), (5, 7), (16, 40)]:
+        lengths = rng.integers(1, T + 1, size=B)
+        real = torch.arange(T)[None, :] < torch.from_numpy(lengths)[:, None]
+        a, b = host_packing(lengths, T), packing(real)
+        for name in ("index", "cu_seqlens", "lengths"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+        assert (a.max_len, a.B, a.T) == (b.max_len, b.B, b.T)
+
+
+def test_packing_fit_to_a_further_padded_batch():
+    lengths = np.array([3, 1, 4])
+    for B, T in [(3, 4), (3, 8), (5, 8), (4, 4)]:
+        real = torch.zeros(B, T, dtype=torch.bool)
+        real[:3, :4] = torch.arange(4)[None, :] < torch.from_numpy(lengths)[:, None]
+        a, b = host_packing(lengths, 4).fit(B, T), packing(real)
+        assert all(torch.equal(getattr(a, n), getattr(b, n)) for n in ("index", "cu_seqlens", "lengths"))
+        assert (a.max_len, a.B, a.T) == (b.max_len, B, T)
+    with pytest.raises(ValueError, match="cannot describe"):
+        host_packing(lengths, 4).fit(2, 4)
+
+
+def test_collate_attaches_packings_only_when_asked():
+    items = varied_items()
+    plain, packed = collate(items), collate(items, packed=True)
+    assert plain.packings is None
+    for batch_side, p in zip((packed.src, packed.tgt_in), packed.packings, strict=True):
+        q = packing(batch_side != PAD)
+        assert torch.equal(p.index, q.index) and torch.equal(p.cu_seqlens, q.cu_seqlens) and p.max_len == q.max_len
+    assert packed.to(torch.device("cpu")).packings is not None
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_host_packings_give_identical_outputs_and_gradients(dropout):
+    """The forward with the loader's packings is the same computation as the one that packs on the device:
+    bitwise equal logits and gradients (dropout included: packing draws no random numbers)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(N=2, N_dec=2, d_model=32, d_ff=64, h=4, dropout=dropout)
+    model = Transformer.from_config(cfg, 30, 30, True).train()
+    model.set_unpadded_attention(True)
+    batch = collate(varied_items(), packed=True)
+    results = []
+    for packings in (None, batch.packings):
+        model.zero_grad()
+        torch.manual_seed(1)
+        logits = model(batch.src, batch.tgt_in, packings=packings)
+        loss, _ = label_smoothed_cross_entropy(logits, batch.tgt_out, 0.1, PAD)
+        loss.backward()
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (a, ga), (b, gb) = results
+    assert torch.equal(a, b)
+    assert all(torch.equal(ga[n], gb[n]) for n in ga)
+
+
+@pytest.mark.parametrize("pad_to_multiple", [1, 8])
+def test_training_step_reads_no_device_value(tmp_path, pad_to_multiple):
+    """The trainer's step with unpadded attention reaches no item()/int(t)/nonzero: the only such calls are
+    Adam's step counter, a CPU tensor even on a GPU (no sync there). Without the loader's packings the same
+    recorder sees the packing's two syncs per packing, so it would see a regression."""
+    t = make_trainer(tmp_path, "trainer.unpadded_attention=true", f"trainer.pad_to_multiple={pad_to_multiple}")
+    assert t.data.packings  # the trainer asks its loaders for packed batches
+    items = [t.data.train[i] for i in range(7)]
+    for packed, expect_model_syncs in ((True, False), (False, True)):
+        micro = [collate(items[:5], packed=packed), collate(items[5:], packed=packed)]  # the loader's work
+        with SyncRecorder() as rec:
+            t._optimizer_step(micro)
+        ours = [c for c in rec.calls if not any("torch/optim" in f for f in c[1])]
+        from_packing = [c for c in ours if any("varlen.py" in f for f in c[1])]
+        if expect_model_syncs:
+            assert len(from_packing) == 2 * 2 * 2, ours  # 2 micro-batches x 2 packings x (nonzero, int)
+        else:
+            assert ours == [], ours
+
+
+def test_loaders_yield_packed_batches(tmp_path):
+    t = make_trainer(tmp_path, "trainer.unpadded_attention=true")
+    batch = next(iter(t.data.train_loader(0)))
+    assert batch.packings is not None and batch.packings[1].B == len(batch)
+    assert next(iter(t.data.valid_loader())).packings is not None
+    off = make_trainer(tmp_path / "off")
+    assert next(iter(off.data.train_loader(0))).packings is None
+
+
+@pytest.mark.gpu
+def test_cuda_unpadded_step_has_no_host_sync():
+    """On a GPU: a pinned, packed batch copied non_blocking, forward, loss and backward with unpadded attention
+    (P_drop 0: torch's varlen kernel, or flash-attn's) make no synchronising CUDA call; the device-side packing
+    (no packings passed) makes at least one, so the count is sensitive."""
+    from transformer.training.profiling import host_syncs
+    torch.manual_seed(0)
+    cfg = ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0)
+    model = Transformer.from_config(cfg, 30, 30, True).cuda()
+    model.set_unpadded_attention(True)
+    host = collate(varied_items(), packed=True).pin_memory()
+
+    def step(with_packings):
+        batch = host.to(torch.device("cuda"))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(batch.src, batch.tgt_in, packings=batch.packings if with_packings else None)
+        loss, _ = label_smoothed_cross_entropy(logits, batch.tgt_out, 0.1, PAD)
+        loss.backward()
+
+    step(True)  # warm-up: kernels chosen, memory allocated
+    assert host_syncs(lambda: step(True)) == []
+    assert len(host_syncs(lambda: step(False))) >= 1

@@ -95,6 +95,12 @@ class TrainerConfig:
     loss: str = "fused"  # fused (chunked, one fp32 chunk per pass, gradient written into the logits) | reference
     bf16_residual: bool = False  # under bf16 autocast: residual stream in bf16, LayerNorm statistics in fp32
     unpadded_attention: bool = False  # training forward on the real tokens only, packed, variable-length attention
+    # fixed: data.max_tokens and trainer.accumulate as given. fit: on a CUDA GPU, before the first step, the largest
+    # micro-batch that memory allows (probed), accumulate lowered to keep the tokens per update (workers x
+    # accumulate x max_tokens); kept in the checkpoint, reused on resume; nothing is probed on CPUs
+    micro_batch: str = "fixed"
+    micro_batch_margin: float = 0.1  # fit: share of the GPU's memory left free above the probe's peak
+    micro_batch_tolerance: float = 0.01  # fit: largest relative change of the tokens per update, else refused
 
 
 @dataclass
@@ -274,6 +280,10 @@ def check_trainer(t) -> None:
            "must be auto or a positive number")
     _check(t.accelerator in ("auto", "cpu", "gpu"), "trainer.accelerator", t.accelerator, "must be auto, cpu or gpu")
     _check(t.loss in ("fused", "reference"), "trainer.loss", t.loss, "must be one of fused, reference")
+    _check(t.micro_batch in ("fixed", "fit"), "trainer.micro_batch", t.micro_batch, "must be fixed or fit")
+    _check(0 <= t.micro_batch_margin < 1, "trainer.micro_batch_margin", t.micro_batch_margin, "must be in [0, 1)")
+    _check(0 <= t.micro_batch_tolerance < 1, "trainer.micro_batch_tolerance", t.micro_batch_tolerance,
+           "must be in [0, 1)")
     _check(t.precision in ("auto", "fp32", "bf16", "fp16", "fp8"), "trainer.precision", t.precision,
            "must be auto, fp32, bf16, fp16 or fp8")
     _check(t.timeout_s > 0, "trainer.timeout_s", t.timeout_s, "must be > 0")

@@ -1,11 +1,12 @@
 """Ragged token storage, the padded `Batch` the model consumes, and the collate function that makes it."""
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
+from transformer.model.varlen import Packing, host_packing
 from transformer.specials import BOS, EOS, PAD, SPECIALS, UNK  # noqa: F401 (re-exported for the data package)
 
 
@@ -88,23 +89,29 @@ class Batch:
     tgt_out: torch.Tensor  # (B, T) y + </s>: what the decoder must predict
     ids: torch.Tensor  # (B,) example indices in the split
     n_tokens: int  # non-pad target tokens: the loss is normalised by their sum over the step
+    # (source, target) packings of the real tokens, made on the host by collate(packed=True), for the
+    # unpadded forward (trainer.unpadded_attention): with them it reads no device value
+    packings: Optional[Tuple[Packing, Packing]] = None
 
     def to(self, device: torch.device) -> "Batch":
         nb = device.type == "cuda"
-        return Batch(self.src.to(device, non_blocking=nb), self.tgt_in.to(device, non_blocking=nb),
-                     self.tgt_out.to(device, non_blocking=nb), self.ids, self.n_tokens)
+        packings = None if self.packings is None else tuple(p.to(device, nb) for p in self.packings)
+        return replace(self, src=self.src.to(device, non_blocking=nb), tgt_in=self.tgt_in.to(device, non_blocking=nb),
+                       tgt_out=self.tgt_out.to(device, non_blocking=nb), packings=packings)
 
     def pin_memory(self) -> "Batch":
         # Called by the DataLoader's pin-memory thread; CUDA copies then overlap with compute.
-        return Batch(self.src.pin_memory(), self.tgt_in.pin_memory(), self.tgt_out.pin_memory(), self.ids,
-                     self.n_tokens)
+        packings = None if self.packings is None else tuple(p.pin_memory() for p in self.packings)
+        return replace(self, src=self.src.pin_memory(), tgt_in=self.tgt_in.pin_memory(),
+                       tgt_out=self.tgt_out.pin_memory(), packings=packings)
 
     def __len__(self) -> int:
         return self.src.size(0)
 
 
-def collate(items: List[Tuple[int, np.ndarray, np.ndarray]]) -> Batch:
-    """CPU tensors only: CUDA tensors made in DataLoader workers would break fork and pinning."""
+def collate(items: List[Tuple[int, np.ndarray, np.ndarray]], packed: bool = False) -> Batch:
+    """CPU tensors only: CUDA tensors made in DataLoader workers would break fork and pinning. `packed`: attach
+    the packings of source and target (`Batch.packings`), computed here from the lengths."""
     B = len(items)
     S = max(len(s) for _, s, _ in items) + 1
     T = max(len(t) for _, _, t in items) + 1
@@ -119,4 +126,14 @@ def collate(items: List[Tuple[int, np.ndarray, np.ndarray]]) -> Batch:
         tgt_out[b, :len(t)] = tgt_in[b, 1:len(t) + 1]
         tgt_out[b, len(t)] = EOS
     ids = torch.tensor([i for i, _, _ in items], dtype=torch.long)
-    return Batch(src, tgt_in, tgt_out, ids, int((tgt_out != PAD).sum()))
+    packings = None
+    if packed:
+        src_lens = np.fromiter((len(s) + 1 for _, s, _ in items), dtype=np.int64, count=B)
+        tgt_lens = np.fromiter((len(t) + 1 for _, _, t in items), dtype=np.int64, count=B)
+        packings = (host_packing(src_lens, S), host_packing(tgt_lens, T))
+    return Batch(src, tgt_in, tgt_out, ids, int((tgt_out != PAD).sum()), packings)
+
+
+def packed_collate(items: List[Tuple[int, np.ndarray, np.ndarray]]) -> Batch:
+    """`collate(items, packed=True)`, picklable for DataLoader workers started by spawn."""
+    return collate(items, packed=True)

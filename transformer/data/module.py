@@ -4,7 +4,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from transformer.data.batch import Batch, PairDataset, collate
+from transformer.data.batch import Batch, PairDataset, collate, packed_collate
 from transformer.data.sampler import TokenBatchSampler
 
 
@@ -55,6 +55,8 @@ class DataModule:
     """
 
     task = "translation"  # "copy" for the synthetic task: validated by exact-match accuracy, not BLEU
+    # Batches carry their packings, made on the host (trainer.unpadded_attention: the Trainer sets it)
+    packings = False
 
     def __init__(self, train: PairDataset, valid: PairDataset, tokenizer, *, max_tokens: int,
                  max_sentences: Optional[int], seed: int, rank: int, world_size: int, num_workers: int = 0,
@@ -100,6 +102,14 @@ class DataModule:
             self._epochs[epoch] = data, sampler
         return self._epochs[epoch]
 
+    def set_budgets(self, max_tokens: int, max_tokens_by_epoch: Sequence[int] = ()) -> None:
+        """New token budgets for the training batches (trainer.micro_batch=fit), before the first epoch is
+        planned; validation keeps data.max_tokens."""
+        self._sampler_args.update(max_tokens=max_tokens, max_tokens_by_epoch=list(max_tokens_by_epoch))
+        train = self.train
+        self.train_sampler = TokenBatchSampler(train.src_sizes, train.tgt_sizes, **self._sampler_args)
+        self._epochs = {}
+
     def num_train_batches(self, epoch: int) -> int:
         return self._train(epoch)[1].num_batches(epoch)
 
@@ -114,7 +124,7 @@ class DataModule:
             return self._loader(data, batches)
         if self._persistent is None:
             self._persistent = torch.utils.data.DataLoader(
-                self.train, batch_sampler=self._plan, collate_fn=collate, num_workers=self.num_workers,
+                self.train, batch_sampler=self._plan, collate_fn=self._collate, num_workers=self.num_workers,
                 pin_memory=self.pin_memory, persistent_workers=True, prefetch_factor=4)
         self._plan.batches = batches  # read by the next iter(): the workers' queues are refilled from it
         return self._persistent
@@ -125,9 +135,13 @@ class DataModule:
 
     def _loader(self, dataset: PairDataset, batches: List[np.ndarray]) -> Iterable[Batch]:
         return torch.utils.data.DataLoader(
-            dataset, batch_sampler=batches, collate_fn=collate,  # index arrays, not lists: no per-epoch copy
+            dataset, batch_sampler=batches, collate_fn=self._collate,  # index arrays, not lists: no per-epoch copy
             num_workers=self.num_workers, pin_memory=self.pin_memory,
             persistent_workers=False, prefetch_factor=4 if self.num_workers else None)
+
+    @property
+    def _collate(self):
+        return packed_collate if self.packings else collate
 
     def close(self) -> None:
         """Stops the persistent loader workers and releases the splits' memory maps (the trainer calls this

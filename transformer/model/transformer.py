@@ -1,7 +1,7 @@
 """The encoder-decoder Transformer (paper Section 3, Figure 1) and the arguments that rebuild it."""
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,7 @@ from transformer.model.dropout import Dropout, check_rate
 from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention
 from transformer.model.projections import StackedLinear, fuse_projections, replay_linear_init, split_projections
 from transformer.model.residual import norm_to, stream_dtype
-from transformer.model.varlen import VarlenMask, pack, packing, unpack
+from transformer.model.varlen import Packing, VarlenMask, pack, packing, unpack
 from transformer.specials import PAD
 
 
@@ -236,17 +236,24 @@ class Transformer(nn.Module):
         dtype = stream_dtype(x) if self.bf16_residual else None
         return norm(x) if dtype is None else norm_to(norm, x, dtype)
 
-    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """src (B, S), tgt_in (B, T) -> logits (B, T, V)."""
+    def forward(self, src: torch.Tensor, tgt_in: torch.Tensor,
+                packings: Optional[Tuple[Packing, Packing]] = None) -> torch.Tensor:
+        """src (B, S), tgt_in (B, T) -> logits (B, T, V). `packings`: the (source, target) packings of the
+        real tokens (`Batch.packings`, made by the loader), used with unpadded attention; without them it
+        packs here, reading two device values (a host sync each)."""
         if self.unpadded_attention:
-            return self._forward_packed(src, tgt_in)
+            return self._forward_packed(src, tgt_in, packings)
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask)
 
-    def _forward_packed(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+    def _forward_packed(self, src: torch.Tensor, tgt_in: torch.Tensor,
+                        packings: Optional[Tuple[Packing, Packing]]) -> torch.Tensor:
         """`forward` on the real tokens only (transformer/model/varlen.py): every layer runs on packed rows;
         the logits of padded target positions are those of a zero decoder output (the loss ignores them)."""
-        sp, tp = packing(src != PAD), packing(tgt_in != PAD)
+        if packings is None:
+            sp, tp = packing(src != PAD), packing(tgt_in != PAD)
+        else:  # the batch may have been padded further since it was collated (trainer.pad_to_multiple)
+            sp, tp = packings[0].fit(*src.shape), packings[1].fit(*tgt_in.shape)
         x = pack(self.src_embed(src), sp)  # (N_s, d_model)
         for layer in self.encoder:
             x = layer(x, VarlenMask(sp, sp))

@@ -2,9 +2,10 @@
 told apart by cumulative lengths (`cu_seqlens`), so no position is computed for padding and no boolean mask
 keeps the fused attention off its flash kernel.
 
-`Transformer.forward` packs the source and target tokens once; embeddings, Linear maps, LayerNorms and the
-feed-forward networks are per token and run on the packed (N, d_model) rows; attention takes a `VarlenMask`
-(the packing of its queries and of its keys) and calls, in this order of preference:
+`Transformer.forward` packs the source and target tokens once (or takes the packings that the loader's collate
+made on the host, `host_packing`, which travel with the Batch: then no step reads a device value); embeddings,
+Linear maps, LayerNorms and the feed-forward networks are per token and run on the packed (N, d_model) rows;
+attention takes a `VarlenMask` (the packing of its queries and of its keys) and calls, in this order of preference:
   - flash-attn's `flash_attn_varlen_func` (the optional flash-attn package, CUDA): attention dropout included;
   - torch's `torch.nn.attention.varlen.varlen_attn` (CUDA), which has no dropout: only where P_drop is 0
     (or in eval mode);
@@ -14,6 +15,7 @@ feed-forward networks are per token and run on the packed (N, d_model) rows; att
 """
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 
 try:  # optional: pip install flash-attn (CUDA builds only)
@@ -31,6 +33,28 @@ class Packing(NamedTuple):
     B: int
     T: int
 
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Packing":
+        return self._replace(**{k: getattr(self, k).to(device, non_blocking=non_blocking) for k in _TENSORS})
+
+    def pin_memory(self) -> "Packing":
+        return self._replace(**{k: getattr(self, k).pin_memory() for k in _TENSORS})
+
+    def fit(self, B: int, T: int) -> "Packing":
+        """This packing for the batch padded further to (B, T) (trainer.pad_to_multiple, static shapes): the
+        same real tokens, their flat positions recomputed on the device, without a host sync."""
+        if (B, T) == (self.B, self.T):
+            return self
+        if B < self.B or T < self.T:
+            raise ValueError(f"a packing of a ({self.B}, {self.T}) batch cannot describe a ({B}, {T}) one")
+        index = self.index if T == self.T else self.index // self.T * T + self.index % self.T
+        lengths, cu = self.lengths, self.cu_seqlens
+        if B > self.B:  # rows of padding only: empty sentences at the end
+            lengths = torch.cat([lengths, lengths.new_zeros(B - self.B)])
+            cu = torch.cat([cu, cu[-1:].expand(B - self.B)])
+        return Packing(index, cu, lengths, self.max_len, B, T)
+
+
+_TENSORS = ("index", "cu_seqlens", "lengths")
 
 class VarlenMask(NamedTuple):
     """Passed as an attention's `mask`: the packing of its queries and that of its keys."""
@@ -45,6 +69,19 @@ def packing(real: torch.Tensor) -> Packing:
     cu = torch.zeros(B + 1, dtype=torch.int32, device=real.device)
     cu[1:] = lengths.cumsum(0)
     return Packing(real.flatten().nonzero().squeeze(1), cu, lengths, int(lengths.max()), B, T)
+
+
+def host_packing(lengths: np.ndarray, T: int) -> Packing:
+    """The packing of a right-padded (len(lengths), T) batch from its row lengths, on the host (CPU tensors, what
+    the loader's collate attaches to a Batch): the same tensors as `packing(real)`, with no device value read."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    B = len(lengths)
+    cu = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    # token j of the packing, in row b, sits at b*T + (j - cu[b]) of the flattened batch
+    index = np.repeat(np.arange(B, dtype=np.int64) * T - cu[:-1], lengths) + np.arange(cu[-1], dtype=np.int64)
+    return Packing(torch.from_numpy(index), torch.from_numpy(cu.astype(np.int32)), torch.from_numpy(lengths),
+                   int(lengths.max(initial=0)), B, T)
 
 
 def pack(x: torch.Tensor, p: Packing) -> torch.Tensor:

@@ -78,6 +78,7 @@ def build(cfg, env):
     """The data (real or synthetic) and a Trainer with no run directory: a benchmark writes no files."""
     from transformer.model import Transformer
     from transformer.tasks import build_task
+    from transformer.training.microbatch import fit_micro_batch
     from transformer.training.parallelize import parallelize
     from transformer.training.trainer import Trainer
 
@@ -93,7 +94,9 @@ def build(cfg, env):
     torch.manual_seed(cfg.seed)
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
     torch.manual_seed(cfg.seed + env.rank)
-    return Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), None)
+    trainer = Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), None)
+    fit_micro_batch(trainer)  # trainer.micro_batch=fit: the split a training run would choose
+    return trainer
 
 
 def endless_batches(data):
@@ -135,7 +138,7 @@ class Totals:
 
 def run_steps(trainer, batches, n: int, progress: Progress, totals: Optional[Totals] = None,
               flag: Optional[LaggedFlag] = None) -> None:
-    K = trainer.tcfg.accumulate
+    K = trainer.accumulate
     window, flag = TrainWindow(), flag if flag is not None else LaggedFlag()
     for _ in range(n):
         t0 = time.perf_counter()
@@ -238,9 +241,9 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "model": {k: getattr(a, k) for k in ("N", "N_dec", "d_model", "d_ff", "h", "src_vocab_size",
                                              "tgt_vocab_size")},
         "params_m": round(sum(p.numel() for p in trainer.model.parameters()) / 1e6, 2),
-        "data": "synthetic" if b.synthetic else cfg.data.name, "max_tokens": cfg.data.max_tokens,
+        "data": "synthetic" if b.synthetic else cfg.data.name, "max_tokens": trainer.data.train_sampler.max_tokens,
         "loader_workers": trainer.data.num_workers,
-        "accumulate": trainer.tcfg.accumulate, "compute": compute, "compile": trainer.tcfg.compile,
+        "accumulate": trainer.accumulate, "compute": compute, "compile": trainer.tcfg.compile,
         "pad_to_multiple": trainer.pad_multiple, "activation_checkpointing": trainer.tcfg.activation_checkpointing,
         "warmup_steps": b.warmup, "warmup_s": m["warmup_s"], "steps": steps, "repeats": n, "wall_s": wall,
         "tgt_tokens_per_s": tgt / wall, "src_tokens_per_s": src / wall, "sentences_per_s": sents / wall,

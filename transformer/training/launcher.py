@@ -31,6 +31,7 @@ from transformer.training import speedups
 from transformer.training.checkpoint import CheckpointError, changed_settings, load_checkpoint
 from transformer.training.init_from import InitFrom, check_tokenizer, prepare_init_from, read_init_from
 from transformer.training.logs import setup_logging, start_file_log, warn
+from transformer.training.microbatch import fit_micro_batch
 from transformer.training.parallelize import parallelize
 from transformer.training.runlock import RunLock, record_holder
 from transformer.training.trainer import Trainer
@@ -84,6 +85,7 @@ def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[D
     torch.manual_seed(cfg.seed + env.rank)
     trainer = Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), run_dir, stop)
     restore(trainer, cfg, env, init)
+    fit_micro_batch(trainer)  # trainer.micro_batch=fit: probes the GPU, or reuses the checkpoint's choice
     if run_dir is not None:  # accepted: only now is the run directory written to
         accept(run_dir, snapshot or {}, trainer)
     # what trainer.precision=auto resolved to: the CPU kind (or GPU) decides it, and reports need it

@@ -120,7 +120,7 @@ def prepare_batch(batch: Batch, multiple: int, dynamic: bool) -> Batch:
         for t in (src, tgt_in):
             torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(t, 1)
-    return Batch(src, tgt_in, tgt_out, batch.ids, batch.n_tokens)
+    return Batch(src, tgt_in, tgt_out, batch.ids, batch.n_tokens, batch.packings)
 
 
 def _pad_to(x: torch.Tensor, multiple: int) -> torch.Tensor:

@@ -62,6 +62,9 @@ class Trainer:
         self.amp_dtype, self.scaler = parallel.amp_dtype, parallel.scaler
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
         self.pad_multiple = speedups.pad_multiple(self.tcfg)
+        # micro-batches per step, and trainer.micro_batch=fit's choice (training/microbatch.py), checkpointed
+        self.accumulate, self.micro_batch = self.tcfg.accumulate, None
+        data.packings = self.tcfg.unpadded_attention  # its batches carry host-made packings: no host sync
         self.timer: Optional[StepTimer] = None  # transformer-bench's phase timer
         self.step = self.epoch = self.batch_index = 0
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
@@ -95,7 +98,8 @@ class Trainer:
             "trainer": {"step": self.step, "epoch": self.epoch, "batch_index": self.batch_index,
                         "best": self.validator.best, "bad_validations": self.validator.bad_validations,
                         "world_size": self.env.world_size, "metric": self.metric.name,
-                        "clock": self.clock.state_dict(), "time_to_quality": self.quality.state_dict()},
+                        "clock": self.clock.state_dict(), "time_to_quality": self.quality.state_dict(),
+                        "micro_batch": self.micro_batch},
             "rng": rngs,
             **({"ema": self.ema.state_dict()} if self.ema is not None else {}),
             "tokenizer": self.data.tokenizer.state_dict(),
@@ -115,6 +119,7 @@ class Trainer:
         self.scaler.load_state_dict(ckpt["scaler"])
         self.step, self.epoch, self.batch_index = t["step"], t["epoch"], t["batch_index"]
         self.validator.best, self.validator.bad_validations = t["best"], t["bad_validations"]
+        self.micro_batch = t.get("micro_batch")  # applied by microbatch.fit_micro_batch
         if self.ema is not None:
             if "ema" not in ckpt:
                 raise CheckpointError(f"{path} holds no weight average but trainer.ema_decay={self.tcfg.ema_decay}: "
@@ -168,9 +173,9 @@ class Trainer:
         t = self.tcfg
         totals = [] if t.max_steps is None else [t.max_steps]
         if t.max_epochs is not None:
-            total = self.step - math.ceil(self.batch_index / t.accumulate)
+            total = self.step - math.ceil(self.batch_index / self.accumulate)
             for epoch in range(self.epoch, t.max_epochs):
-                total += math.ceil(self._batches_of(epoch) / t.accumulate)
+                total += math.ceil(self._batches_of(epoch) / self.accumulate)
             totals.append(total)
         return min(totals) if totals else None
 
@@ -227,7 +232,7 @@ class Trainer:
         return code
 
     def _run_steps(self, progress: Progress, window: TrainWindow) -> int:
-        K = self.tcfg.accumulate
+        K = self.accumulate
         stop_flag = LaggedFlag()
         # Resumed at or past its time limit (to finish an interrupted end of run, say), a run trains no step:
         # the flag would end it two steps later. The restored clock is the same on every rank, so all agree.
@@ -301,7 +306,7 @@ class Trainer:
         self.guard.observe(nonfinite, self.step - stop_flag.lag)  # the flag's step; may raise Diverged
         if anneal and not self.scheduler.falling:
             this_epoch = self.data.num_train_batches(self.epoch)  # exact, where _batches_of estimates
-            steps = fall_steps(self.cfg.optim.anneal, self.epoch, self.batch_index, self.tcfg.accumulate,
+            steps = fall_steps(self.cfg.optim.anneal, self.epoch, self.batch_index, self.accumulate,
                                lambda e: this_epoch if e == self.epoch else self._batches_of(e))
             self.scheduler.anneal_now(steps)
         return result, stop
@@ -323,7 +328,7 @@ class Trainer:
             sync = self.net.no_sync() if (self.env.distributed and not last) else contextlib.nullcontext()
             with sync:
                 with self.autocast():
-                    logits = self.net(batch.src, batch.tgt_in)  # (B, T, V)
+                    logits = self.net(batch.src, batch.tgt_in, packings=batch.packings)  # (B, T, V)
                 loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD,
                                                          impl=self.tcfg.loss, inplace=True)
                 self.scaler.scale(loss).backward()

@@ -79,7 +79,7 @@ class Validator:
         for batch in loader:
             batch = batch.to(self.env.device)
             with self.autocast():
-                logits = model(batch.src, batch.tgt_in)  # (B, T, V)
+                logits = model(batch.src, batch.tgt_in, packings=batch.packings)  # (B, T, V)
             loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.label_smoothing, PAD)
             sums += torch.stack([loss, nll]).double()
             tokens += batch.n_tokens
