@@ -144,3 +144,76 @@ def test_what_does_not_map_is_refused_in_one_line(tmp_path):
     (folder / "tokenizer_config.json").write_text('{"eos_token": "<unk>"}', encoding="utf-8")
     with pytest.raises(InteropError, match="config.json eos_token_id=0, but vocab.json has <unk> at 1"):
         import_hf(folder)
+
+
+def test_init_from_the_folder_fine_tunes_with_its_tokenizer(opus, tmp_path):
+    """trainer.init_from=DIR: a config without the folder's architecture is refused in one line that lists the
+    overrides; with them, the run trains and keeps the imported tokenizer."""
+    import re
+
+    from helpers.cli import train_cmd
+    from helpers.data import write_corpus
+    from helpers.dist import run_cli
+
+    from transformer import exit_codes
+    from transformer.training.checkpoint import load_checkpoint
+    folder = opus[0]
+    de, en = multi30k_lines(64)
+    vde, ven = validation(8)
+    base = ["data=files", f"data.files.train={write_corpus(tmp_path / 'c', 'train', de, en)}",
+            f"data.files.val={write_corpus(tmp_path / 'c', 'val', vde, ven)}", "data.max_tokens=300",
+            "trainer.max_steps=3", "trainer.max_epochs=null", "trainer.val_every=100", "checkpoint.every_steps=100",
+            "optim.warmup=10", "eval.bleu=false", "trainer.progress=false", "trainer.accelerator=cpu",
+            f"trainer.init_from={folder}", "model.N=1"]
+    res = run_cli(train_cmd(*base, f"hydra.run.dir={tmp_path / 'refused'}"), tmp_path, expect=exit_codes.USER_ERROR)
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    fix = re.search(r"holds a model this config does not build: set (.*) \(this config has", errors[0]).group(1)
+    assert "model.activation=swish" in fix and "model.output_bias=true" in fix and "model.N=2" in fix
+    run_cli(train_cmd(*base, *fix.split(), f"hydra.run.dir={tmp_path / 'tuned'}"), tmp_path)
+    tuned = load_checkpoint(tmp_path / "tuned" / "checkpoints" / "last.pt")
+    imported = import_hf(folder)
+    assert tuned["tokenizer"] == imported["tokenizer"] and tuned["trainer"]["step"] == 3
+    changed = [k for k, v in imported["model"].items() if not torch.equal(tuned["model"][k], v)]
+    assert changed  # it trained
+    from transformer.cli import export as export_cli
+    last = str(tmp_path / "tuned" / "checkpoints" / "last.pt")
+    assert export_cli.main([last, "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
+    assert import_hf(tmp_path / "hf")["tokenizer"]["pieces"] == imported["tokenizer"]["pieces"]
+
+
+def test_the_imported_model_exports_to_hf_and_ctranslate2(opus, tmp_path):
+    """Back out as a MarianMTModel folder with MarianTokenizer's files (in this project's numbering) and as a
+    CTranslate2 model: the same greedy output; the HF folder imports again with identical logits."""
+    from transformer.interop.ct2 import SUPPRESSED, export_ct2, source_tokens
+    from transformer.interop.hf import export_hf
+    from transformer.model import ModelArgs, Transformer
+    _, _, _, model, tok, _ = opus
+    de, _ = validation(10)
+    hyps = translate_sentences(model, tok, de, GREEDY)
+    export_hf(model, tok, {}, tmp_path / "hf")
+    hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "hf", local_files_only=True).eval()
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    assert type(hf_tok).__name__ == "MarianTokenizer"
+    for sentence, h in zip(de, hyps, strict=True):
+        ids = hf_tok(sentence, return_tensors="pt")
+        assert ids.input_ids[0].tolist() == tok.encode_src(sentence) + [EOS]
+        limit = int(GREEDY.max_len_a * ids.input_ids.size(1) + GREEDY.max_len_b)
+        out = hf.generate(**ids, num_beams=1, do_sample=False, max_new_tokens=limit)[0].tolist()[1:]
+        assert [i for i in out if i != EOS] == h[0].tokens
+        assert hf_tok.decode(out, skip_special_tokens=True) == h[0].text
+    back = import_hf(tmp_path / "hf")
+    again = Transformer(ModelArgs.from_dict(back["model_args"]))
+    again.load_state_dict(back["model"])
+    src = torch.tensor([tok.encode_src(de[0]) + [EOS]])
+    tgt_in = torch.tensor([[BOS] + h[0].tokens for h in hyps[:1]])
+    with torch.no_grad():
+        assert torch.equal(again.eval()(src, tgt_in), model(src, tgt_in))
+    ct2 = pytest.importorskip("ctranslate2")
+    export_ct2(model, tok, tmp_path / "ct2")
+    translator = ct2.Translator(str(tmp_path / "ct2"), device="cpu")
+    for tokens, h in zip(source_tokens(tok, de), hyps, strict=True):
+        limit = int(GREEDY.max_len_a * len(tokens) + GREEDY.max_len_b)
+        out = translator.translate_batch([tokens], beam_size=1, max_decoding_length=limit,
+                                         suppress_sequences=SUPPRESSED)[0].hypotheses[0]
+        assert out == tok.tgt_tokens(h[0].tokens)

@@ -16,7 +16,7 @@ import torch
 
 from transformer.interop import InteropError, check_out_dir, replace_dir
 from transformer.interop.names import from_marian, marian_name, separate_keys, to_marian
-from transformer.interop.opus import is_sentencepiece_folder, read_vocabulary, remap_rows
+from transformer.interop.opus import is_sentencepiece_folder, read_vocabulary, remap_rows, write_marian_tokenizer
 from transformer.model.projections import fuse_projections
 from transformer.specials import BOS, EOS, PAD, SPECIALS, UNK
 
@@ -31,7 +31,7 @@ HF_ACTIVATIONS = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "ge
 
 def export_refusal(args, tokenizer) -> Optional[str]:
     """Why a model (ModelArgs) and its tokenizer cannot become a MarianMTModel directory; None when they can."""
-    if getattr(tokenizer, "name", None) != "bpe":
+    if getattr(tokenizer, "name", None) not in ("bpe", "sentencepiece_pair"):
         return (f"tokenizer={getattr(tokenizer, 'name', '?')}: a Hugging Face export needs tokenizer=bpe (a "
                 "tokenizer.json); spaCy's rule-based tokenisation has no fast-tokenizer equivalent "
                 "(--to ctranslate2 takes its vocabularies)")
@@ -122,7 +122,10 @@ def export_hf(model, tokenizer, ckpt: dict, out) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
-        fast_tokenizer(tokenizer, model.args.max_positions).save_pretrained(tmp)
+        if tokenizer.name == "sentencepiece_pair":  # an imported OPUS-MT model: MarianTokenizer's files again
+            write_marian_tokenizer(tokenizer, tmp, model.args.max_positions)
+        else:
+            fast_tokenizer(tokenizer, model.args.max_positions).save_pretrained(tmp)
         meta = {"src_lang": tokenizer.src_lang, "tgt_lang": tokenizer.tgt_lang, "tgt_vocab_size":
                 model.args.tgt_vocab_size, "eval": (ckpt.get("config") or {}).get("eval"), "lenpen": lenpen}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")

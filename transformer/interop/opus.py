@@ -121,3 +121,17 @@ def remap_rows(hf_state: Dict[str, torch.Tensor], rows: List[int], never: List[i
     new[:, never] = NEVER
     out["final_logits_bias"] = new
     return out
+
+
+def write_marian_tokenizer(tokenizer, folder: Path, max_positions: int) -> None:
+    """A `sentencepiece_pair` tokenizer as MarianTokenizer's files in `folder`, numbered as this project numbers
+    them (<pad> <unk> <s> </s> first; the export's config.json says so): `transformers` then gives the same ids."""
+    from transformers import MarianTokenizer
+
+    (folder / "source.spm").write_bytes(tokenizer.src_model)
+    (folder / "target.spm").write_bytes(tokenizer.tgt_model)
+    vocab = {p: i for i, p in enumerate(tokenizer.pieces)}
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    MarianTokenizer(str(folder / "source.spm"), str(folder / "target.spm"), str(folder / "vocab.json"),
+                    source_lang=tokenizer.src_lang or None, target_lang=tokenizer.tgt_lang or None,
+                    model_max_length=max_positions).save_pretrained(folder)
