@@ -135,6 +135,29 @@ def test_translate_and_evaluate_accept_the_folder(opus, tmp_path, capsys):
     assert (tmp_path / "eval" / "in.de.hyp").read_text(encoding="utf-8").splitlines() == got
 
 
+def test_older_release_layouts_import_alike(opus, tmp_path):
+    """Older OPUS-MT uploads: pytorch_model.bin, generation settings inside config.json, a tokenizer_config.json
+    holding only the languages."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file
+    folder, hf, _, model, _, _ = opus
+    old = tmp_path / "old"
+    shutil.copytree(folder, old)
+    cfg = json.loads((old / "config.json").read_text(encoding="utf-8"))
+    V = cfg["vocab_size"]
+    cfg.update(bad_words_ids=[[V - 1]], num_beams=4, max_length=512, transformers_version="4.22.0.dev0")
+    (old / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    (old / "tokenizer_config.json").write_text('{"target_lang": "en", "source_lang": "de"}', encoding="utf-8")
+    (old / "generation_config.json").unlink()
+    torch.save(load_file(old / "model.safetensors"), old / "pytorch_model.bin")
+    (old / "model.safetensors").unlink()
+    again, tok, _ = load_model(old)
+    assert again.args == model.args and tok.state_dict() == load_model(folder)[1].state_dict()
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items())
+
+
 def test_what_does_not_map_is_refused_in_one_line(tmp_path):
     folder = tmp_path / "opus"
     fake_opus(folder)
