@@ -120,6 +120,24 @@ def test_greedy_equals_transformers_generate(opus):
     assert ended >= len(de) // 2  # most outputs are sentences that end, not runs to the limit
 
 
+def test_beam_search_agrees_with_transformers_generate(opus):
+    """Beam 4 with the folder's generation config (renormalize_logits, <pad> banned) and length penalty 1 on both
+    sides (ours: logprob / n, HF: logprob / length): the same log-probabilities, so nearly always the same
+    output; the few a tie or a stopping rule could change are allowed."""
+    _, hf, hf_tok, model, tok, _ = opus
+    de, _ = validation(20)
+    hyps = translate_sentences(model, tok, de, EvalConfig(beam=4, lenpen=1.0, max_len_a=1.2, max_len_b=10))
+    differ = []
+    for sentence, h in zip(de, hyps, strict=True):
+        ids = hf_tok(sentence, return_tensors="pt")
+        limit = int(1.2 * ids.input_ids.size(1) + 10)
+        out = hf.generate(**ids, num_beams=4, length_penalty=1.0, early_stopping=True, max_new_tokens=limit,
+                          max_length=None, forced_eos_token_id=None)[0].tolist()
+        if hf_tok.decode(out, skip_special_tokens=True) != h[0].text:
+            differ.append(sentence)
+    assert len(differ) <= len(de) // 10, differ
+
+
 def test_translate_and_evaluate_accept_the_folder(opus, tmp_path, capsys):
     from transformer.cli import evaluate as evaluate_cli
     from transformer.cli import translate as translate_cli
