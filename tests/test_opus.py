@@ -176,6 +176,32 @@ def test_older_release_layouts_import_alike(opus, tmp_path):
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items())
 
 
+def test_preprocessing_with_the_imported_tokenizer_any_workers(opus, tmp_path):
+    """The preprocessing kernel of the imported tokenizer (spawned workers load its state from a file): the ids
+    are the tokenizer's own, and 1 and 2 workers write the same bytes."""
+    from helpers.data import data_cfg, write_corpus
+
+    from transformer.data.batch import Ragged
+    from transformer.data.preprocess import Options
+    from transformer.data.store import Preprocessed
+    from transformer.data.translation import preprocess_corpus
+    tok = opus[4]
+    de, en = multi30k_lines(40)
+    vde, ven = validation(8)
+    files = {"train": write_corpus(tmp_path / "c", "train", de, en),
+             "val": write_corpus(tmp_path / "c", "val", vde, ven)}
+    cfg = data_cfg(tmp_path, "files", "bpe", files=files, max_len=500)
+    folders = [preprocess_corpus(cfg, tmp_path / f"w{n}", Options(workers=n, chunk_size=7, progress=False),
+                                 tokenizer_state=tok.state_dict()) for n in (1, 2)]
+    read = [{p.name: p.read_bytes() for p in sorted(f.iterdir())} for f in folders]
+    assert read[0] == read[1]
+    pre = Preprocessed(folders[0])
+    assert pre.tokenizer_state == tok.state_dict()
+    for side, ids in (("src", tok.encode_src_batch(de)), ("tgt", tok.encode_tgt_batch(en))):
+        got = Ragged.open(*pre.arrays("train", side))
+        assert [got.data[a:b].tolist() for a, b in zip(got.offsets[:-1], got.offsets[1:], strict=True)] == ids
+
+
 def test_what_does_not_map_is_refused_in_one_line(tmp_path):
     folder = tmp_path / "opus"
     fake_opus(folder)
