@@ -59,6 +59,7 @@ def test_the_folder_is_laid_out_as_released_and_imports_with_its_architecture(op
     perm = residual_permutation(a.d_model)  # Marian's coordinate j is our perm[j]
     assert torch.equal(emb[BOS][perm], start) and start.abs().sum() > 0  # the decoder starts from Marian's start row
     assert not emb[PAD].any() and model.generator.bias[PAD] == model.generator.bias[BOS] == NEVER
+    assert import_hf(folder)["config"] == {"eval": {"beam": 4}}  # generation_config.json's num_beams
 
 
 def test_ids_equal_marian_tokenizers_on_both_sides(opus):
@@ -174,6 +175,7 @@ def test_older_release_layouts_import_alike(opus, tmp_path):
     again, tok, _ = load_model(old)
     assert again.args == model.args and tok.state_dict() == load_model(folder)[1].state_dict()
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in again.state_dict().items())
+    assert import_hf(old)["config"] == {"eval": {"beam": 4}}  # num_beams read from config.json
 
 
 def test_preprocessing_with_the_imported_tokenizer_any_workers(opus, tmp_path):

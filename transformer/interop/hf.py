@@ -16,7 +16,13 @@ import torch
 
 from transformer.interop import InteropError, check_out_dir, replace_dir
 from transformer.interop.names import from_marian, marian_name, separate_keys, to_marian
-from transformer.interop.opus import is_sentencepiece_folder, read_vocabulary, remap_rows, write_marian_tokenizer
+from transformer.interop.opus import (
+    eval_settings,
+    is_sentencepiece_folder,
+    read_vocabulary,
+    remap_rows,
+    write_marian_tokenizer,
+)
 from transformer.model.projections import fuse_projections
 from transformer.specials import BOS, EOS, PAD, SPECIALS, UNK
 
@@ -249,6 +255,8 @@ def import_hf(path) -> dict:
                      "json": tok.to_str()}
         if n_out < V:
             tok_state["n_tgt"] = n_out
+    if spm and not meta.get("eval"):  # a released folder: its own generation defaults (beam 4 for OPUS-MT)
+        meta["eval"] = eval_settings(path, cfg)
     config = {"eval": meta["eval"]} if meta.get("eval") else {}
     return {"format": FORMAT, "model_args": args.to_dict(), "model": state, "tokenizer": tok_state,
             "config": config, "imported_from": str(path)}

@@ -103,6 +103,18 @@ def read_vocabulary(path: Path, cfg: dict) -> Tuple[dict, List[int], List[int]]:
     return tok.state_dict(), rows, [PAD, BOS] if start == vocab[pad] else []
 
 
+def eval_settings(path: Path, cfg: dict) -> dict:
+    """The `eval` settings of the folder's generation defaults (generation_config.json, or config.json in older
+    uploads): its beam size and length penalty, which rank hypotheses as eval.lenpen does (logprob / length)."""
+    gen = _json(path / "generation_config.json") if (path / "generation_config.json").is_file() else cfg
+    out = {}
+    if int(gen.get("num_beams") or 1) > 1:
+        out["beam"] = int(gen["num_beams"])
+    if gen.get("length_penalty") is not None:
+        out["lenpen"] = float(gen["length_penalty"])
+    return out
+
+
 def remap_rows(hf_state: Dict[str, torch.Tensor], rows: List[int], never: List[int]) -> Dict[str, torch.Tensor]:
     """Marian's state dict with its vocabulary-indexed tensors in our id order (`read_vocabulary`): row k is
     Marian's row rows[k], zeros where that is -1; the output bias of `never` is NEVER."""
