@@ -269,13 +269,19 @@ def test_init_from_a_folder_refuses_a_config_asking_for_another_vocabulary(tmp_p
     atomic_save(checkpoint(model, tok), tmp_path / "m.pt")
     assert export_cli.main([str(tmp_path / "m.pt"), "--to", "hf", "--out", str(tmp_path / "hf")]) == 0
     size = tok.state_dict()
+    arch = ["model.N=2", "model.N_dec=1", "model.d_model=32", "model.d_ff=64", "model.h=4", "model.dropout=0.0",
+            "model.tie_embeddings=all", "model.max_positions=64"]
     ok = make_cfg("tokenizer=bpe", f"tokenizer.vocab_size={tok.src_vocab_size}", "tokenizer.tgt_vocab=seen",
-                  f"trainer.init_from={tmp_path / 'hf'}")
+                  f"trainer.init_from={tmp_path / 'hf'}", *arch)
     from transformer.cli.train import check
     check(ok)  # the command line's check takes a folder for trainer.init_from
     with pytest.raises(ConfigError, match="no such checkpoint file or Hugging Face model folder"):
         check(make_cfg(f"trainer.init_from={tmp_path / 'missing'}"))
     init = prepare_init_from(ok)
+    # the model group must build the folder's model: one line lists the overrides that do, before any data work
+    with pytest.raises(ConfigError, match=f"set {' '.join(arch[:3])} model.d_ff=64 .* \\(this config has model.N=6,"):
+        prepare_init_from(make_cfg("tokenizer=bpe", f"tokenizer.vocab_size={tok.src_vocab_size}",
+                                   "tokenizer.tgt_vocab=seen", f"trainer.init_from={tmp_path / 'hf'}"))
     assert init.tokenizer_state["json"] and init.tokenizer_state["n_tgt"] == size["n_tgt"]
     other = make_cfg("tokenizer=bpe", "tokenizer.vocab_size=6000", "tokenizer.tgt_vocab=seen",
                      f"trainer.init_from={tmp_path / 'hf'}")

@@ -75,6 +75,13 @@ def sentencepiece_chunk(model_file: str, n_ids: Optional[int], texts: Sequence[s
     return _flat(_LOADED[key].encode(list(texts), out_type=int), n_ids)
 
 
+def sentencepiece_pair_chunk(state_file: str, side: str, texts: Sequence[str]) -> Tuple[np.ndarray, np.ndarray]:
+    """`bpe_chunk` under the source or target side ("src", "tgt") of the sentencepiece_pair tokenizer whose
+    state (JSON) is in `state_file` (transformer/data/spm_pair.py)."""
+    from transformer.data.spm_pair import encode_chunk
+    return _flat(encode_chunk(state_file, side, texts), None)
+
+
 def worker_init() -> None:
     """In a worker process: the processes are the parallelism, so HF tokenizers runs single-threaded."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -82,8 +89,9 @@ def worker_init() -> None:
 
 def encode_pair_chunk(src_spec: tuple, tgt_spec: tuple, src: Sequence[str], tgt: Sequence[str]):
     """Both sides of a chunk of pairs; a spec is ("spacy", lang, lowercase), ("bpe", state_file, n_ids) or
-    ("sentencepiece", model_file, n_ids)."""
+    ("sentencepiece", model_file, n_ids) or ("sentencepiece_pair", state_file, side)."""
     return tuple(_KERNELS[spec[0]](*spec[1:], texts) for spec, texts in ((src_spec, src), (tgt_spec, tgt)))
 
 
-_KERNELS = {"spacy": spacy_chunk, "bpe": bpe_chunk, "sentencepiece": sentencepiece_chunk}
+_KERNELS = {"spacy": spacy_chunk, "bpe": bpe_chunk, "sentencepiece": sentencepiece_chunk,
+            "sentencepiece_pair": sentencepiece_pair_chunk}

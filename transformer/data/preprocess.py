@@ -9,6 +9,7 @@ memory bounded by the chunk size, never by the corpus.
    folder is byte-identical for any number of workers. Empty or over-long pairs are skipped (counted) or
    refused with their line number, as `data.bad_pairs` says.
 """
+import json
 import logging
 import multiprocessing
 import time
@@ -211,6 +212,12 @@ class _Run:
         if tokenizer is None or tokenizer.name == "spacy":
             lowercase = self.t.lowercase if tokenizer is None else tokenizer.lowercase
             return ("spacy", self.d.src_lang, lowercase), ("spacy", self.d.tgt_lang, lowercase)
+        if tokenizer.name == "sentencepiece_pair":  # imported (trainer.init_from): a model per side
+            path = self.staging.scratch / "spm_pair.json"
+            if not path.exists():
+                self.staging.scratch.mkdir(exist_ok=True)
+                path.write_text(json.dumps(tokenizer.state_dict()), encoding="utf-8")
+            return (tokenizer.name, str(path), "src"), (tokenizer.name, str(path), "tgt")
         path = self.staging.scratch / ("spm.model" if tokenizer.name == "sentencepiece" else "bpe.json")
         if not path.exists():
             self.staging.scratch.mkdir(exist_ok=True)

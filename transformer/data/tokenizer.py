@@ -345,10 +345,14 @@ def tokenizer_from_state(state: dict):
     if name == "sentencepiece":
         from transformer.data.spm import SentencePieceTokenizer
         return SentencePieceTokenizer.from_state(state)
+    if name == "sentencepiece_pair":
+        from transformer.data.spm_pair import SentencePiecePairTokenizer
+        return SentencePiecePairTokenizer.from_state(state)
     if name == "copy":
         from transformer.data.copy import CopyTokenizer
         return CopyTokenizer(int(state["vocab_size"]))
-    raise ValueError(f"unknown tokenizer state name={name!r}: expected spacy, bpe, sentencepiece or copy")
+    raise ValueError(f"unknown tokenizer state name={name!r}: expected spacy, bpe, sentencepiece, "
+                     "sentencepiece_pair or copy")
 
 
 def encode_sources(tokenizer, texts: Sequence[str]) -> List[List[int]]:

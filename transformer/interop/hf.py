@@ -16,6 +16,13 @@ import torch
 
 from transformer.interop import InteropError, check_out_dir, replace_dir
 from transformer.interop.names import from_marian, marian_name, separate_keys, to_marian
+from transformer.interop.opus import (
+    eval_settings,
+    is_sentencepiece_folder,
+    read_vocabulary,
+    remap_rows,
+    write_marian_tokenizer,
+)
 from transformer.model.projections import fuse_projections
 from transformer.specials import BOS, EOS, PAD, SPECIALS, UNK
 
@@ -30,7 +37,7 @@ HF_ACTIVATIONS = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "ge
 
 def export_refusal(args, tokenizer) -> Optional[str]:
     """Why a model (ModelArgs) and its tokenizer cannot become a MarianMTModel directory; None when they can."""
-    if getattr(tokenizer, "name", None) != "bpe":
+    if getattr(tokenizer, "name", None) not in ("bpe", "sentencepiece_pair"):
         return (f"tokenizer={getattr(tokenizer, 'name', '?')}: a Hugging Face export needs tokenizer=bpe (a "
                 "tokenizer.json); spaCy's rule-based tokenisation has no fast-tokenizer equivalent "
                 "(--to ctranslate2 takes its vocabularies)")
@@ -121,7 +128,10 @@ def export_hf(model, tokenizer, ckpt: dict, out) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
-        fast_tokenizer(tokenizer, model.args.max_positions).save_pretrained(tmp)
+        if tokenizer.name == "sentencepiece_pair":  # an imported OPUS-MT model: MarianTokenizer's files again
+            write_marian_tokenizer(tokenizer, tmp, model.args.max_positions)
+        else:
+            fast_tokenizer(tokenizer, model.args.max_positions).save_pretrained(tmp)
         meta = {"src_lang": tokenizer.src_lang, "tgt_lang": tokenizer.tgt_lang, "tgt_vocab_size":
                 model.args.tgt_vocab_size, "eval": (ckpt.get("config") or {}).get("eval"), "lenpen": lenpen}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
@@ -139,8 +149,10 @@ def _read_json(path: Path, what: str) -> dict:
         raise InteropError(f"{path}: unreadable {what} ({e})") from None
 
 
-def _import_refusal(cfg: dict) -> Optional[str]:
-    """Why a Marian config.json describes a model this project's Transformer cannot be; None when it can."""
+def _import_refusal(cfg: dict, fixed_ids: bool = True) -> Optional[str]:
+    """Why a Marian config.json describes a model this project's Transformer cannot be; None when it can.
+    `fixed_ids`: the folder's tokenizer.json must already number <pad> <s> </s> as this project does (a
+    SentencePiece folder is renumbered on import instead: opus.py)."""
     if cfg.get("model_type") != "marian":
         return f"model_type={cfg.get('model_type')!r}: only Hugging Face MarianMTModel directories are imported"
     checks = [
@@ -153,11 +165,11 @@ def _import_refusal(cfg: dict) -> Optional[str]:
         (cfg.get("encoder_ffn_dim") == cfg.get("decoder_ffn_dim"),
          "encoder_ffn_dim != decoder_ffn_dim: one feed-forward width here (model.d_ff)"),
         (not cfg.get("normalize_before", False), "normalize_before=true: Marian here is post-norm"),
-        (cfg.get("pad_token_id") == PAD and cfg.get("decoder_start_token_id") == BOS
-         and cfg.get("eos_token_id") == EOS,
+        (not fixed_ids or (cfg.get("pad_token_id") == PAD and cfg.get("decoder_start_token_id") == BOS
+                           and cfg.get("eos_token_id") == EOS),
          f"pad/decoder start/eos ids {cfg.get('pad_token_id')}/{cfg.get('decoder_start_token_id')}/"
-         f"{cfg.get('eos_token_id')}: this project needs {PAD}/{BOS}/{EOS} (<pad> <unk> <s> </s> first); a released "
-         "OPUS-MT vocabulary would need its ids remapped, which is not implemented"),
+         f"{cfg.get('eos_token_id')}: a tokenizer.json must number them {PAD}/{BOS}/{EOS} (<pad> <unk> <s> </s> "
+         "first); a MarianTokenizer folder (source.spm, target.spm, vocab.json) is renumbered on import"),
     ]
     return next((why for ok, why in checks if not ok), None)
 
@@ -181,17 +193,21 @@ def import_hf(path) -> dict:
     if not (path / "config.json").is_file():
         raise InteropError(f"{path}: a folder, but not a Hugging Face model (no config.json)")
     cfg = _read_json(path / "config.json", "config.json")
-    why = _import_refusal(cfg)
+    spm = is_sentencepiece_folder(path)
+    why = _import_refusal(cfg, fixed_ids=not spm)
     if why:
         raise InteropError(f"{path}: {why}")
-    if not (path / "tokenizer.json").is_file():
-        raise InteropError(f"{path}: no tokenizer.json (a fast tokenizer); SentencePiece-only Marian "
-                           "tokenizers (source.spm, target.spm) are not imported yet")
-    from tokenizers import Tokenizer
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    for i, s in enumerate(SPECIALS):
-        if tok.token_to_id(s) != i:
-            raise InteropError(f"{path}: tokenizer.json has {s} at id {tok.token_to_id(s)}, this project needs {i}")
+    if spm:  # a released OPUS-MT folder: Marian's vocabulary order and SentencePiece files
+        tok_state, rows, never = read_vocabulary(path, cfg)
+    elif not (path / "tokenizer.json").is_file():
+        raise InteropError(f"{path}: no tokenizer.json (a fast tokenizer), nor MarianTokenizer's source.spm, "
+                           "target.spm and vocab.json")
+    else:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+        for i, s in enumerate(SPECIALS):
+            if tok.token_to_id(s) != i:
+                raise InteropError(f"{path}: tokenizer.json has {s} at id {tok.token_to_id(s)}, this project needs {i}")
     try:
         from transformers import MarianMTModel
         from transformers.utils import logging as hf_logging
@@ -204,13 +220,15 @@ def import_hf(path) -> dict:
     except (OSError, ValueError, RuntimeError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InteropError(f"{path}: MarianMTModel weights do not load ({first})") from None
+    if spm:
+        hf_state = remap_rows(hf_state, rows, never)
     share = cfg.get("share_encoder_decoder_embeddings", True)
     tied = cfg.get("tie_word_embeddings", True)
     if share and not tied:
         raise InteropError(f"{path}: shared encoder/decoder embeddings with an untied output layer: here the "
                            "shared matrix is also the output layer (model.tie_embeddings=all)")
-    V = int(cfg["vocab_size"])
-    if tok.get_vocab_size() != V:
+    V = len(rows) if spm else int(cfg["vocab_size"])
+    if not spm and tok.get_vocab_size() != V:
         raise InteropError(f"{path}: tokenizer.json has {tok.get_vocab_size()} types, config.json vocab_size={V}")
     bias = hf_state["final_logits_bias"].flatten().float()
     n_out = _output_rows(bias)
@@ -220,7 +238,7 @@ def import_hf(path) -> dict:
                      norm_first=False, tie_embeddings="all" if share else "decoder" if tied else "none",
                      max_positions=cfg["max_position_embeddings"], src_vocab_size=V, tgt_vocab_size=n_out,
                      shared_vocab=True, activation=HF_ACTIVATIONS[cfg.get("activation_function", "gelu")],
-                     output_bias=bool((bias[:n_out] != 0).any()))
+                     output_bias=bool((bias[:n_out] != 0).any()) or bool(spm and never))
     with torch.device("meta"):
         keys = separate_keys(Transformer(args))
     state = fuse_projections(from_marian(hf_state, [k for k in keys if k != "generator.bias"], args.d_model))
@@ -231,11 +249,14 @@ def import_hf(path) -> dict:
     extra = sorted(set(hf_state) - used)
     if extra:
         raise InteropError(f"{path}: weights with no counterpart here: {', '.join(extra[:3])}")
-    tok.post_processor = None  # the project's batches add </s> themselves
-    tok_state = {"name": "bpe", "src_lang": meta.get("src_lang", ""), "tgt_lang": meta.get("tgt_lang", ""),
-                 "json": tok.to_str()}
-    if n_out < V:
-        tok_state["n_tgt"] = n_out
+    if not spm:
+        tok.post_processor = None  # the project's batches add </s> themselves
+        tok_state = {"name": "bpe", "src_lang": meta.get("src_lang", ""), "tgt_lang": meta.get("tgt_lang", ""),
+                     "json": tok.to_str()}
+        if n_out < V:
+            tok_state["n_tgt"] = n_out
+    if spm and not meta.get("eval"):  # a released folder: its own generation defaults (beam 4 for OPUS-MT)
+        meta["eval"] = eval_settings(path, cfg)
     config = {"eval": meta["eval"]} if meta.get("eval") else {}
     return {"format": FORMAT, "model_args": args.to_dict(), "model": state, "tokenizer": tok_state,
             "config": config, "imported_from": str(path)}

@@ -60,7 +60,36 @@ def prepare_init_from(cfg) -> Optional[InitFrom]:
         raise ConfigError(f"{where} is fine-tuned with its own tokenizer ({state.get('name')}), whose ids its weights "
                           f"were trained on, but this config asks for another: {'; '.join(asked)}. Drop those "
                           "settings, or train a new model without trainer.init_from")
+    check_model(cfg, init)
     return init
+
+
+def _value(v) -> str:
+    """A value as a command-line override spells it."""
+    return str(v).lower() if isinstance(v, bool) else "null" if v is None else str(v)
+
+
+def check_model(cfg, init: InitFrom) -> None:
+    """The config's `model` group builds the model of the weights (the vocabulary sizes come from their tokenizer),
+    before any data is prepared; otherwise one line lists the overrides that do (a released model's
+    architecture, say: `model.activation=swish model.output_bias=true ...`)."""
+    from dataclasses import fields
+
+    from transformer.config import ModelConfig
+    from transformer.model import ModelArgs
+
+    saved = init.weights.get("model_args")
+    if not isinstance(saved, dict):
+        return
+    saved = ModelArgs.from_dict(saved)
+    mine = ModelArgs.from_config(cfg.model, saved.src_vocab_size, saved.tgt_vocab_size, saved.shared_vocab)
+    keys = [f.name for f in fields(ModelConfig)]
+    wrong = [k for k in keys if getattr(saved, k, None) != getattr(mine, k, None)]
+    if wrong:
+        fix = " ".join(f"model.{k}={_value(getattr(saved, k))}" for k in wrong)
+        have = ", ".join(f"model.{k}={_value(getattr(mine, k))}" for k in wrong)
+        raise ConfigError(f"trainer.init_from={init.path} holds a model this config does not build: set {fix} "
+                          f"(this config has {have})")
 
 
 def check_tokenizer(init: Optional[InitFrom], tokenizer) -> None:
