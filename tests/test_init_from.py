@@ -29,9 +29,12 @@ def test_init_from_keeps_the_checkpoints_tokenizer_on_another_corpus(tmp_path):
     first, second = files_data(tmp_path / "c1", 5), files_data(tmp_path / "c2", 11)
     run(tmp_path, "base", *first)
     base = load_checkpoint(tmp_path / "base" / "checkpoints" / "last.pt")
-    run(tmp_path, "tuned", *second, f"trainer.init_from={tmp_path / 'base' / 'checkpoints' / 'last.pt'}")
+    # Fine-tuning may change P_drop (a rate, not a weight): the run starts from the weights all the same.
+    run(tmp_path, "tuned", *second, f"trainer.init_from={tmp_path / 'base' / 'checkpoints' / 'last.pt'}",
+        f"model.dropout={base['model_args']['dropout'] + 0.15}")
     tuned = load_checkpoint(tmp_path / "tuned" / "checkpoints" / "last.pt")
     assert tuned["tokenizer"] == base["tokenizer"]
+    assert tuned["model_args"]["dropout"] == base["model_args"]["dropout"] + 0.15
     # What a run on the second corpus learns by itself is another vocabulary: the test can fail.
     run(tmp_path, "fresh", *second)
     fresh = load_checkpoint(tmp_path / "fresh" / "checkpoints" / "last.pt")

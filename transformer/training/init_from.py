@@ -15,6 +15,8 @@ from transformer.config import ConfigError, to_container
 from transformer.data.tokenizer import tokenizer_from_state
 from transformer.training.checkpoint import load_checkpoint
 
+FREE_AT_INIT = ("dropout",)  # model args a fine-tuning run may change: P_drop is a rate, not a weight
+
 
 @dataclass
 class InitFrom:
@@ -83,7 +85,7 @@ def check_model(cfg, init: InitFrom) -> None:
         return
     saved = ModelArgs.from_dict(saved)
     mine = ModelArgs.from_config(cfg.model, saved.src_vocab_size, saved.tgt_vocab_size, saved.shared_vocab)
-    keys = [f.name for f in fields(ModelConfig)]
+    keys = [f.name for f in fields(ModelConfig) if f.name not in FREE_AT_INIT]
     wrong = [k for k in keys if getattr(saved, k, None) != getattr(mine, k, None)]
     if wrong:
         fix = " ".join(f"model.{k}={_value(getattr(saved, k))}" for k in wrong)

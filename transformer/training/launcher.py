@@ -29,7 +29,7 @@ from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training import speedups
 from transformer.training.checkpoint import CheckpointError, changed_settings, load_checkpoint
-from transformer.training.init_from import InitFrom, check_tokenizer, prepare_init_from, read_init_from
+from transformer.training.init_from import FREE_AT_INIT, InitFrom, check_tokenizer, prepare_init_from, read_init_from
 from transformer.training.logs import setup_logging, start_file_log, warn
 from transformer.training.microbatch import fit_micro_batch
 from transformer.training.parallelize import parallelize
@@ -201,7 +201,7 @@ def restore(trainer: Trainer, cfg, env: dist.DistEnv, init: Optional[InitFrom] =
                  "The run goes on with the new values; an exact continuation needs the old ones")
     elif cfg.trainer.init_from:
         init = init if init is not None else read_init_from(cfg.trainer.init_from)
-        trainer.load_weights(init.weights, init.path)
+        trainer.load_weights(init.weights, init.path, free=FREE_AT_INIT)
         log.info("initialised weights and tokenizer from %s", init.path)
 
 

@@ -132,10 +132,13 @@ class Trainer:
         if "cuda" in rng and self.env.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], self.env.device)
 
-    def load_weights(self, ckpt: dict, path: str) -> None:
-        mine = self.model.args.to_dict()
-        if ckpt["model_args"] != mine:
-            diff = {k: (ckpt["model_args"].get(k), v) for k, v in mine.items() if ckpt["model_args"].get(k) != v}
+    def load_weights(self, ckpt: dict, path: str, free: tuple = ()) -> None:
+        """The checkpoint's weights, whose model args must equal this model's except for the keys in `free`
+        (trainer.init_from frees `dropout`: a rate, not a weight)."""
+        mine = {k: v for k, v in self.model.args.to_dict().items() if k not in free}
+        theirs = {k: v for k, v in ckpt["model_args"].items() if k not in free}
+        if theirs != mine:
+            diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
             raise CheckpointError(f"{path} holds another model (checkpoint vs config: {diff})")
         self.model.load_state_dict(ckpt["model"])
 
