@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from transformer.dist import DistEnv
 from transformer.training import speedups
+from transformer.training.graphs import check_cuda_graphs
 from transformer.training.logs import warn
 
 
@@ -81,6 +82,7 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         grad scaler and the device.
     """
     tcfg = cfg.trainer
+    check_cuda_graphs(tcfg, env.device, env.world_size)  # before anything moves to the device
     model = model.to(env.device)
     amp_dtype = autocast_dtype(tcfg.precision, env.device)
     slow_bf16 = speedups.emulated_bf16(env.device) if amp_dtype == torch.bfloat16 else None
