@@ -44,6 +44,9 @@ SWITCH_SETS = {
     "unpadded": ("trainer.unpadded_attention=true", "model.dropout=0.0"),
     "compile": ("trainer.compile=true",),
     "loss=reference": ("trainer.loss=reference",),  # the log_softmax loss the fused one replaces
+    "static_shapes": ("trainer.static_shapes=true",),  # a few padded shapes: the padding cost, eager
+    "cuda_graphs": ("trainer.cuda_graphs=true",),  # static shapes, each step replayed as CUDA graphs
+    "cuda_graphs+bf16_residual": ("trainer.cuda_graphs=true", "trainer.bf16_residual=true"),
 }
 # What runs, most telling first (past --budget-s the rest is skipped): the main workloads eager, each other
 # switch set at 16k, the remaining workloads eager, then the switch sets at the recipes' sizes.
@@ -218,6 +221,8 @@ def plan(args, keys: set) -> tuple:
             skipped.append({"workload": workload, "switches": name, "why": f"not in this checkout: {lacking}"})
         elif args.dry_run and any(s.startswith("trainer.compile=true") for s in switch):
             skipped.append({"workload": workload, "switches": name, "why": "dry run: no compilation on a CPU"})
+        elif args.dry_run and "trainer.cuda_graphs=true" in switch:
+            skipped.append({"workload": workload, "switches": name, "why": "dry run: no CUDA graphs on a CPU"})
         else:
             todo.append((workload, name, [*WORKLOADS[workload], *COMMON, *switch, *(DRY if args.dry_run else ())]))
     return todo, skipped

@@ -253,7 +253,8 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     args.dry_run, args.switch = True, None
     todo, skipped = bench_gpu.plan(args, keys)
     assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
-    assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual"}
+    assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual", "cuda_graphs",
+                                                "cuda_graphs+bf16_residual"}
 
 
 @pytest.mark.slow
@@ -269,10 +270,11 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     assert records[0]["kind"] == "machine" and records[0]["dry_run"] and records[0]["commit"]
     benches = [r for r in records if r["kind"] == "bench"]
     assert {(r["workload"], r["switches"]) for r in benches} == {
-        (w, s) for w in ("base@recipe", "base@16k") for s in ("eager", "loss=reference", "bf16_residual", "unpadded")}
+        (w, s) for w in ("base@recipe", "base@16k")
+        for s in ("eager", "loss=reference", "bf16_residual", "unpadded", "static_shapes")}
     assert all(r["model"]["N"] == 1 and r["steps"] == 1 and r["top_ops"] for r in benches)
     assert all(r["commit"] == records[0]["commit"] for r in benches)
     md = out.with_suffix(".md").read_text()
     assert records[0]["torch"] in md and records[0]["commit"] in md
-    assert md.count("| base@") == 12  # eight runs, and four rows of compile sets skipped in a dry run
+    assert md.count("| base@") == 18  # ten runs, and eight rows of compile and CUDA-graph sets skipped
     assert "Top " in md and "ops by self CPU time" in md and md.strip() in res.stdout

@@ -3,6 +3,8 @@ invisible to the loss and the gradients, an epoch needs few shapes, the graph-sa
 capturable Adam with a device learning rate, static gradient buffers) equals the ordinary step when run
 eagerly on the CPU, checkpoints cross between the two, and what cannot work is refused in one line. The
 CUDA-only part (capture and replay) is in the gpu tests at the end."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -113,25 +115,32 @@ def test_trainer_static_shapes_feed_only_static_shapes(tmp_path, monkeypatch):
     assert all(s[0] == 200 // 16 for s, _, _, _ in seen)
 
 
-def graph_safe_pair(tmp_path, *overrides):
-    """An ordinary trainer and one whose step is the graph-safe one run eagerly (trainer.cuda_graphs on a
-    CPU: capturable fused Adam, the rate as a device tensor, static gradient buffers, device token count)."""
+def graph_safe_trainer(tmp_path, *overrides, env=None, rank=0, world_size=1):
+    """A trainer whose step is the graph-safe one run eagerly (trainer.cuda_graphs on a CPU: capturable fused
+    Adam, the rate as a device tensor, flat static gradient buffers, device token count). parallelize refuses
+    cuda_graphs on a CPU, so the model is wrapped as for static shapes, without DDP, as cuda_graphs wraps it."""
     from tests.test_trainer import SMALL
     from transformer.data.copy import CopyData
     from transformer.dist import DistEnv
     from transformer.tasks import build_task
     from transformer.training.parallelize import parallelize
     from transformer.training.trainer import Trainer
-    plain = make_trainer(tmp_path / "plain", *FP32, "trainer.static_shapes=true", *overrides)
+    env = env or DistEnv()
     cfg = compose_cfg(*SMALL, *FP32, "trainer.cuda_graphs=true", *overrides)
-    data = CopyData(cfg, cfg.seed, 0, 1)
+    data = CopyData(cfg, cfg.seed, rank, world_size)
     torch.manual_seed(0)
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-    eager = compose_cfg(*SMALL, *FP32, "trainer.static_shapes=true", *overrides)  # parallelize refuses a CPU
-    graphed = Trainer(cfg, DistEnv(), parallelize(model, eager, DistEnv()), data, build_task(cfg), tmp_path / "g")
-    assert graphed.graphs is not None and not graphed.graphs.capture
-    assert graphed.optimizer.param_groups[0]["capturable"] and torch.is_tensor(graphed.optimizer.param_groups[0]["lr"])
-    return plain, graphed
+    parallel = parallelize(model, compose_cfg(*SMALL, *FP32, "trainer.static_shapes=true", *overrides), DistEnv())
+    t = Trainer(cfg, env, parallel, data, build_task(cfg), tmp_path)
+    assert t.graphs is not None and not t.graphs.capture and t.net is t.model
+    assert t.optimizer.param_groups[0]["capturable"] and torch.is_tensor(t.optimizer.param_groups[0]["lr"])
+    return t
+
+
+def graph_safe_pair(tmp_path, *overrides):
+    """An ordinary trainer (static shapes) and a graph-safe one run eagerly, from the same weights."""
+    plain = make_trainer(tmp_path / "plain", *FP32, "trainer.static_shapes=true", *overrides)
+    return plain, graph_safe_trainer(tmp_path / "g", *overrides)
 
 
 def ragged_steps(n_steps, k, seed=3):
@@ -178,6 +187,43 @@ def fresh_weights(t) -> dict:
     return {name: p.detach() for name, p in fresh.named_parameters()}
 
 
+def _worker(rank: int, port: int, out: str):
+    from tests.helpers.dist import join_gloo
+    from transformer import dist
+    torch.set_num_threads(1)
+    env = join_gloo(rank, 2, port)
+    try:
+        t = graph_safe_trainer(Path(out) / f"r{rank}", "trainer.clip_norm=0.5", "optim.factor=0.1", env=env,
+                               rank=rank, world_size=2)
+        torch.manual_seed(7)
+        results = run(t, [[m[rank]] for m in ragged_steps(3, 2)])  # rank r: micro-batch r of each step
+        torch.save({"weights": [p.detach() for p in t.model.parameters()],
+                    "stats": [r.stats for r in results]}, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.close()
+
+
+@pytest.mark.distributed
+def test_two_graph_safe_workers_equal_one_with_accumulate_2(tmp_path):
+    """The graph-safe step all-reduces its flat gradient buffer itself (no DDP): 2 gloo workers taking one
+    micro-batch each give the statistics and weights of 1 worker with trainer.accumulate=2 (fp32 sums in
+    another order), and the two replicas stay identical."""
+    import torch.multiprocessing as mp
+
+    from tests.helpers.cli import free_port
+    mp.start_processes(_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    one = graph_safe_trainer(tmp_path / "one", "trainer.clip_norm=0.5", "optim.factor=0.1", "trainer.accumulate=2")
+    torch.manual_seed(7)
+    results = run(one, ragged_steps(3, 2))
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    for a, b in zip(ranks[0]["weights"], ranks[1]["weights"], strict=True):
+        assert torch.equal(a, b)
+    for r, got in zip(results, ranks[0]["stats"], strict=True):
+        torch.testing.assert_close(got[:3], r.stats[:3], rtol=1e-6, atol=0)
+    for p, q in zip(one.model.parameters(), ranks[0]["weights"], strict=True):
+        torch.testing.assert_close(q, p.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_graph_safe_checkpoints_resume_exactly_and_cross_with_the_ordinary_step(tmp_path):
     """2 + 2 steps through a checkpoint equal 4 steps (bitwise), for a checkpoint of the graph-safe step
     loaded by the graph-safe step and by the ordinary one, and the other way round."""
@@ -216,15 +262,13 @@ def test_cuda_graphs_refuses_what_it_cannot_capture(overrides, conflict):
         validate(cfg)
 
 
-def test_static_shapes_refuses_unpadded_attention_and_cuda_graphs_refuses_a_cpu_or_several_workers():
+def test_static_shapes_refuses_unpadded_attention_and_cuda_graphs_refuses_a_cpu():
     with pytest.raises(ConfigError, match=r"^trainer.static_shapes=True: not with trainer.unpadded_attention"):
         validate(compose_cfg("experiment=copy", "trainer.static_shapes=true", "trainer.unpadded_attention=true"))
     tcfg = compose_cfg("experiment=copy", "trainer.cuda_graphs=true").trainer
     with pytest.raises(ConfigError, match=r"^trainer.cuda_graphs=True: needs a CUDA device, this run is on cpu"):
-        check_cuda_graphs(tcfg, torch.device("cpu"), 1)
-    with pytest.raises(ConfigError, match=r"^trainer.cuda_graphs=True: runs on one worker only"):
-        check_cuda_graphs(tcfg, torch.device("cuda", 0), 2)
-    check_cuda_graphs(tcfg, torch.device("cuda", 0), 1)  # accepted
+        check_cuda_graphs(tcfg, torch.device("cpu"))
+    check_cuda_graphs(tcfg, torch.device("cuda", 0))  # accepted
 
 
 def test_cuda_graphs_on_a_cpu_is_one_error_line_and_exit_code_2(tmp_path):
@@ -238,3 +282,93 @@ def test_cuda_graphs_on_a_cpu_is_one_error_line_and_exit_code_2(tmp_path):
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: trainer.cuda_graphs=True: needs a CUDA device, this run is on cpu; set "
                       "trainer.cuda_graphs=false (trainer.static_shapes=true alone works everywhere)"], res.stderr
+
+
+def test_bench_counts_static_shape_padding_as_waste(tmp_path):
+    """transformer-bench with trainer.static_shapes: the padding to the static shapes (rows and lengths) is
+    counted as waste, never as useful work, and the batches take a handful of shapes."""
+    from tests.test_bench import TINY, bench, record
+    plain = record(bench(tmp_path, *TINY, "trainer.precision=fp32"))
+    static = record(bench(tmp_path, *TINY, "trainer.precision=fp32", "trainer.static_shapes=true"))
+    assert plain["waste_pad_multiple"] == 0 and not plain["static_shapes"]
+    assert static["static_shapes"] and 0 < static["waste_pad_multiple"] < 0.6
+    assert 1 <= static["shapes"] <= 4 < plain["shapes"]  # lengths 2..41: the ladder's 8..48
+    assert static["flops_per_step"] < static["flops_computed_per_step"]
+
+
+def test_totals_count_the_static_shape_a_batch_runs_at():
+    from transformer.config import ModelConfig
+    from transformer.data.batch import Batch
+    from transformer.model.flops import training_flops
+    from transformer.training.bench import Totals
+    args = Transformer.from_config(ModelConfig(N=1, d_model=16, d_ff=32, h=2), 50, 70).args
+    src, tgt = torch.tensor([[7, 8, 2, 0, 0], [7, 8, 9, 10, 2]]), torch.tensor([[1, 9, 0, 0], [1, 9, 10, 11]])
+    totals = Totals(args, 1, shape_of=lambda b: static_shape(b.src.size(1), b.tgt_in.size(1), 64))
+    totals.add([Batch(src, tgt, tgt, torch.arange(2), 6)], 0.0)
+    assert totals.shapes == {(8, 8, 8)}
+    assert totals.flops_run == training_flops(args, 8, 8, 8) > totals.flops_batch == training_flops(args, 2, 5, 4)
+
+
+# ---- GPU: capture and replay (skipped without CUDA) ------------------------------------------------------------
+def gpu_pair(tmp_path, *overrides):
+    """Two trainers on the GPU from the same weights: static shapes eager, and static shapes as CUDA graphs."""
+    from tests.test_gpu import make_trainer as gpu_trainer
+    common = ("trainer.accumulate=2", "trainer.clip_norm=1.0", "optim.factor=0.1", *overrides)
+    return (gpu_trainer(tmp_path / "eager", "fp32", "trainer.static_shapes=true", *common),
+            gpu_trainer(tmp_path / "graphs", "fp32", "trainer.cuda_graphs=true", *common))
+
+
+def pinned_steps(n, seed=3):
+    """Ragged micro-batches of several static shapes, in pinned memory (as the GPU loaders give them)."""
+    return [[b.pin_memory() for b in m] for m in ragged_steps(n, 2, seed)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_cuda_graph_replay_equals_the_eager_step(tmp_path, dropout):
+    """6 steps of accumulate=2 over ragged micro-batches of several shapes: statistics, gradient norms and weights
+    of the replayed graphs equal the eager step's (fp32; Adam's capturable form and float32 rate differ by
+    rounding). With dropout, the graphs draw the masks the eager kernels draw (same CUDA RNG offsets)."""
+    eager, graphed = gpu_pair(tmp_path, f"model.dropout={dropout}")
+    steps = pinned_steps(6)
+    torch.cuda.manual_seed(5)
+    a = run(eager, steps)
+    torch.cuda.manual_seed(5)
+    b = run(graphed, steps)
+    assert graphed.graphs.capture and len(graphed.graphs.micro) >= 2 and graphed.graphs.update_graph is not None
+    for ra, rb in zip(a, b, strict=True):
+        torch.testing.assert_close(rb.stats, ra.stats, rtol=1e-5, atol=0)
+        torch.testing.assert_close(rb.grad_norm, ra.grad_norm, rtol=1e-4, atol=0)
+    for p, q in zip(eager.model.parameters(), graphed.model.parameters(), strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_steps_make_no_host_sync(tmp_path):
+    from transformer.training.profiling import host_syncs
+    _, graphed = gpu_pair(tmp_path)
+    steps = pinned_steps(8)
+    window, flag = TrainWindow(), LaggedFlag()
+    for m in steps[:4]:  # every shape captured, the update graph too
+        graphed._train_step(m, window, flag)
+    syncs = host_syncs(lambda: [graphed._train_step(m, window, flag) for m in steps[:4]])
+    assert syncs == [], syncs
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_resume_exactly_with_dropout(tmp_path):
+    """4 steps equal 2 steps, a checkpoint, and 2 steps in a new trainer that captures its graphs anew:
+    weights bitwise, dropout included (the CUDA RNG state in the checkpoint stays exact under replay)."""
+    steps = pinned_steps(4, seed=9)
+    _, whole = gpu_pair(tmp_path / "w", "model.dropout=0.1")
+    torch.cuda.manual_seed(1)
+    run(whole, steps)
+    _, first = gpu_pair(tmp_path / "a", "model.dropout=0.1")
+    torch.cuda.manual_seed(1)
+    run(first, steps[:2])
+    state = first.state_dict()
+    _, second = gpu_pair(tmp_path / "b", "model.dropout=0.1")
+    second.load_state_dict(state)
+    run(second, steps[2:])
+    for p, q in zip(whole.model.parameters(), second.model.parameters(), strict=True):
+        assert torch.equal(p, q)

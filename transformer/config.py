@@ -97,8 +97,9 @@ class TrainerConfig:
     # lengths on a ladder of multiples of 8 in steps of 1.5 and 4/3, rows from data.max_tokens; padding rows carry
     # no loss. Few shapes for torch.compile and CUDA graphs, at the cost of padding (transformer-bench reports it).
     static_shapes: bool = False
-    # One GPU: each static shape's forward+backward and the update replayed as CUDA graphs
-    # (transformer/training/graphs.py); implies static_shapes. Not with fp16, unpadded attention, checkpointing.
+    # CUDA: each static shape's forward+backward and the update replayed as CUDA graphs, the gradient all-reduce
+    # eager between them (transformer/training/graphs.py); implies static_shapes. Not with fp16, unpadded
+    # attention or activation checkpointing.
     cuda_graphs: bool = False
 
 

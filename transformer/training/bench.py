@@ -109,10 +109,12 @@ def _sync(device: torch.device) -> None:
 class Totals:
     """What the timed steps processed, counted on the host from the CPU batches (no device reads): real tokens,
     and the FLOPs of the real tokens (each sentence at its own lengths), of the batches' own padded shapes, and
-    of the shapes the model runs on (lengths padded up to `multiple`)."""
+    of the shapes the model runs on (lengths padded up to `multiple`, or, with trainer.static_shapes, the
+    static shape `shape_of(batch)` returns: its extra rows and lengths count as waste too)."""
 
-    def __init__(self, args, multiple: int):
-        self.args, self.multiple = args, multiple
+    def __init__(self, args, multiple: int, shape_of=None):
+        self.args, self.multiple, self.shape_of = args, multiple, shape_of
+        self.shapes = set()  # the distinct shapes the model ran on
         self.tgt = self.src = self.sentences = self.slots = 0
         self.flops_real = self.flops_batch = self.flops_run = 0
         self.data_s = 0.0
@@ -126,7 +128,9 @@ class Totals:
             src_lens, tgt_lens = (b.src != PAD).sum(1).tolist(), (b.tgt_out != PAD).sum(1).tolist()  # CPU tensors
             self.flops_real += real_flops(self.args, src_lens, tgt_lens)
             self.flops_batch += step_flops(self.args, [(B, S, T)])
-            self.flops_run += step_flops(self.args, [(B, -(-S // m) * m, -(-T // m) * m)])
+            shape = self.shape_of(b) if self.shape_of is not None else (B, -(-S // m) * m, -(-T // m) * m)
+            self.shapes.add(shape)
+            self.flops_run += step_flops(self.args, [shape])
             self.tgt += b.n_tokens
             self.src += sum(src_lens)
             self.sentences += B
@@ -171,7 +175,7 @@ def measure(trainer, b) -> dict:
     windows = []  # (wall seconds, Totals) of each repeat
     flag = LaggedFlag()  # the trainer's: its waits are the host syncs of the stop flag
     for _ in range(b.repeats):
-        totals = Totals(trainer.model.args, trainer.pad_multiple)
+        totals = Totals(trainer.model.args, trainer.pad_multiple, shape_of(trainer))
         t0 = time.perf_counter()
         run_steps(trainer, batches, steps, progress, totals, flag)
         _sync(device)
@@ -191,6 +195,11 @@ def measure(trainer, b) -> dict:
             "peak_mem_gb": peak_memory_gb(device)}
 
 
+def shape_of(trainer):
+    """The static shape a batch is padded to (trainer.static_shapes, trainer.cuda_graphs), or None."""
+    return trainer._static_shape if trainer.static_shapes else None
+
+
 def peak_memory_gb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
@@ -207,6 +216,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
     windows = m["windows"]
     n = len(windows)
     t = Totals(trainer.model.args, trainer.pad_multiple)  # all windows together
+    t.shapes = set().union(*(w.shapes for _, w in windows))
     for key in ("tgt", "src", "sentences", "slots", "flops_real", "flops_batch", "flops_run", "data_s"):
         setattr(t, key, sum(getattr(w, key) for _, w in windows))
     local_wall = sum(wall for wall, _ in windows)
@@ -241,7 +251,9 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "data": "synthetic" if b.synthetic else cfg.data.name, "max_tokens": cfg.data.max_tokens,
         "loader_workers": trainer.data.num_workers,
         "accumulate": trainer.tcfg.accumulate, "compute": compute, "compile": trainer.tcfg.compile,
-        "pad_to_multiple": trainer.pad_multiple, "activation_checkpointing": trainer.tcfg.activation_checkpointing,
+        "pad_to_multiple": trainer.pad_multiple, "static_shapes": trainer.static_shapes,
+        "cuda_graphs": trainer.tcfg.cuda_graphs, "shapes": len(t.shapes),
+        "activation_checkpointing": trainer.tcfg.activation_checkpointing,
         "warmup_steps": b.warmup, "warmup_s": m["warmup_s"], "steps": steps, "repeats": n, "wall_s": wall,
         "tgt_tokens_per_s": tgt / wall, "src_tokens_per_s": src / wall, "sentences_per_s": sents / wall,
         "tgt_tokens_per_s_spread": _spread(per_window),
@@ -313,8 +325,9 @@ def table(r: dict) -> str:
         ("model FLOPs / step", f"{r['flops_per_step'] / 1e12:.4g} TFLOP on real tokens (per worker); "
                                f"{r['flops_computed_per_step'] / 1e12:.4g} computed"),
         ("  waste: padding", f"{100 * r['waste_padding']:.1f}% of computed FLOPs (to each batch's longest)"),
-        ("  waste: pad to multiple", f"{100 * r['waste_pad_multiple']:.1f}% of computed FLOPs "
-                                     f"(trainer.pad_to_multiple={r['pad_to_multiple']})"),
+        ("  waste: pad to multiple", f"{100 * r['waste_pad_multiple']:.1f}% of computed FLOPs " + (
+            f"(static shapes: rows and lengths, {r['shapes']} shapes)" if r.get("static_shapes") else
+            f"(trainer.pad_to_multiple={r['pad_to_multiple']})")),
         ("achieved", f"{r['achieved_tflops']:.4g} TFLOP/s on real tokens (per worker)"),
         ("MFU", mfu),
     ]

@@ -3,11 +3,15 @@ instead of about a thousand launches from Python.
 
 The step is split where it must talk to the host or to the other ranks:
 1. per micro-batch, one graph per static shape (transformer/data/shapes.py) runs forward, loss and backward,
-   adding into gradient buffers that never move (`.grad` of every parameter, allocated once) and into device
-   sums (target tokens, counted on the device; loss; nll). Nothing in it depends on a Python number that
-   changes per step: the batch is copied into the graph's own input tensors before each replay.
-2. eagerly: the non-finite flag, the step's statistics tensor and its all-reduce (the trainer's code).
-3. one graph for the update: gradients times world size / tokens (the tokens read on the device), clipping,
+   adding into gradient buffers that never move (`.grad` of every parameter: views of one flat buffer,
+   allocated once) and into device sums (target tokens, counted on the device; loss; nll). Nothing in it
+   depends on a Python number that changes per step: the batch is copied into the graph's own input tensors
+   before each replay.
+2. eagerly: with several workers, one all-reduce (sum) of the flat gradient buffer (NCCL, or gloo in the CPU
+   tests; no DDP wrapper, whose hooks cannot sit in a graph); then the non-finite flag, the step's statistics
+   tensor and its all-reduce (the trainer's code).
+3. one graph for the update: gradients (summed over ranks) divided by the step's tokens of all ranks (read on
+   the device), clipping,
    fused Adam with `capturable=True` and the learning rate as a device tensor (NoamSchedule writes it with
    fill_ before the replay), skipping on the device when the step was not finite, then the gradient buffers
    and sums zeroed for the next step.
@@ -19,7 +23,8 @@ warm-up runs with the non-finite flag up, so fused Adam creates its state but mo
 graph draws from the default CUDA generator, which torch registers with every capture: each replay advances
 its offset as the eager kernels would, so the RNG state saved in checkpoints stays exact.
 One graph is kept per (shape, dropout rate): the rate is a kernel argument, and trainer.dropout_by_epoch
-changes it. All graphs share one memory pool (they never run at the same time).
+changes it. All graphs share one memory pool (they never run at the same time). Capture errors only on this
+thread's unsafe calls ("thread_local"): the DataLoader's pin-memory thread keeps working meanwhile.
 """
 import contextlib
 from typing import Dict, List, Optional, Tuple
@@ -33,17 +38,12 @@ from transformer.training.loss import label_smoothed_cross_entropy
 WARMUP = 3  # eager iterations on a side stream before a capture (torch's documented pattern)
 
 
-def check_cuda_graphs(tcfg, device: torch.device, world_size: int) -> None:
-    """What trainer.cuda_graphs cannot run with, refused before anything is built (transformer/config.py
+def check_cuda_graphs(tcfg, device: torch.device) -> None:
+    """What trainer.cuda_graphs cannot run on, refused before anything is built (transformer/config.py
     refuses the conflicting keys)."""
-    if not tcfg.cuda_graphs:
-        return
-    if device.type != "cuda":
+    if tcfg.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"trainer.cuda_graphs=True: needs a CUDA device, this run is on {device.type}; "
                           "set trainer.cuda_graphs=false (trainer.static_shapes=true alone works everywhere)")
-    if world_size > 1:
-        raise ConfigError(f"trainer.cuda_graphs=True: runs on one worker only, this run has {world_size}; "
-                          "use trainer.accumulate for larger batches, or set trainer.cuda_graphs=false")
 
 
 class GraphStep:
@@ -57,19 +57,25 @@ class GraphStep:
         autocast: the forward's autocast context factory.
         tcfg: the trainer config (label_smoothing, loss, clip_norm).
         guard: the NonfiniteGuard whose `skipping` makes fused Adam skip a non-finite step on the device.
-        world_size: gradients are normalised as the DDP path does (world_size / tokens).
+        env: the distributed environment: its all_reduce_ sums the flat gradient buffer over the workers.
         capture: record CUDA graphs; False runs the same code eagerly (CPU tests).
     """
 
     def __init__(self, model: torch.nn.Module, net, optimizer: torch.optim.Optimizer, autocast, tcfg, guard,
-                 world_size: int = 1, capture: bool = True):
+                 env, capture: bool = True):
         self.net, self.optimizer, self.autocast, self.tcfg, self.guard = net, optimizer, autocast, tcfg, guard
-        self.world_size, self.capture = world_size, capture
+        self.env, self.capture = env, capture
         self.params = [p for p in model.parameters() if p.requires_grad]
         device = self.params[0].device
         self.device = device
-        for p in self.params:  # static gradient buffers: backward adds into them in place
-            p.grad = torch.zeros_like(p)
+        if len({p.dtype for p in self.params}) != 1:
+            raise RuntimeError("trainer.cuda_graphs keeps the gradients in one flat buffer: parameters of one dtype")
+        # static gradient buffers, views of one flat tensor: backward adds into them in place, one all-reduce
+        self.flat = torch.zeros(sum(p.numel() for p in self.params), dtype=self.params[0].dtype, device=device)
+        offset = 0
+        for p in self.params:
+            p.grad = self.flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
         self.tokens = torch.zeros((), dtype=torch.int64, device=device)
         self.loss_sum = torch.zeros((), device=device)
         self.nll_sum = torch.zeros((), device=device)
@@ -83,8 +89,10 @@ class GraphStep:
     def grads(self) -> List[torch.Tensor]:
         return [p.grad for p in self.params]
 
-    def sums(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(target tokens, loss sum, nll sum) of the micro-batches accumulated so far, on the device."""
+    def reduce(self) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After the step's micro-batches: the gradients summed over the workers (one all-reduce, eager), and
+        this worker's (target tokens, loss sum, nll sum) on the device."""
+        self.env.all_reduce_(self.flat)
         return self.tokens, self.loss_sum, self.nll_sum
 
     # ---- per micro-batch ---------------------------------------------------------------------------
@@ -114,9 +122,9 @@ class GraphStep:
     def _capture_micro(self, src, tgt_in, tgt_out):
         inputs = (src.clone(), tgt_in.clone(), tgt_out.clone())
         graph = torch.cuda.CUDAGraph()
-        with self._unchanged([*self.grads, self.tokens, self.loss_sum, self.nll_sum]):
+        with self._unchanged([self.flat, self.tokens, self.loss_sum, self.nll_sum]):
             self._warm_up(lambda: self._forward_backward(*inputs))
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self._forward_backward(*inputs)
         self.pool = graph.pool()
         return graph, inputs
@@ -137,14 +145,13 @@ class GraphStep:
         return self.grad_norm.clone() if self.tcfg.clip_norm is not None else None
 
     def _update(self) -> None:
-        grads = self.grads
-        # gradients of summed losses -> the gradient of the mean over the step's tokens (the eager path's scale)
-        torch._foreach_mul_(grads, (self.world_size / self.stats[0].clamp(min=1.0)).float())
+        # gradients of losses summed over all tokens of all workers -> the gradient of the mean over those tokens
+        self.flat.mul_((1.0 / self.stats[0].clamp(min=1.0)).float())
         if self.tcfg.clip_norm is not None:
             self.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.clip_norm))
         with self.guard.skipping(self.optimizer, self.stats):
             self.optimizer.step()
-        torch._foreach_zero_(grads)
+        self.flat.zero_()
         for t in (self.tokens, self.loss_sum, self.nll_sum):
             t.zero_()
 
@@ -152,11 +159,11 @@ class GraphStep:
         if not self.guard.can_skip:
             raise RuntimeError("trainer.cuda_graphs needs fused Adam that skips on the device (no grad scaler)")
         graph = torch.cuda.CUDAGraph()
-        kept = [*self.grads, self.stats, self.grad_norm, self.tokens, self.loss_sum, self.nll_sum]
+        kept = [self.flat, self.stats, self.grad_norm, self.tokens, self.loss_sum, self.nll_sum]
         with self._unchanged(kept):
             self.stats[-1].fill_(1.0)  # not finite: Adam creates its state (outside the graph) and moves nothing
             self._warm_up(self._update)
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self._update()
         self.pool = graph.pool()
         return graph

@@ -82,7 +82,7 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         grad scaler and the device.
     """
     tcfg = cfg.trainer
-    check_cuda_graphs(tcfg, env.device, env.world_size)  # before anything moves to the device
+    check_cuda_graphs(tcfg, env.device)  # before anything moves to the device
     model = model.to(env.device)
     amp_dtype = autocast_dtype(tcfg.precision, env.device)
     slow_bf16 = speedups.emulated_bf16(env.device) if amp_dtype == torch.bfloat16 else None
@@ -96,7 +96,10 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         model.set_unpadded_attention(True)
     if tcfg.activation_checkpointing:
         speedups.checkpoint_layers(model)
-    net = DDP(model, **speedups.ddp_kwargs(tcfg, env.device)) if env.distributed else model
+    # trainer.cuda_graphs all-reduces its flat gradient buffer itself (transformer/training/graphs.py)
+    net = DDP(model, **speedups.ddp_kwargs(tcfg, env.device)) if env.distributed and not tcfg.cuda_graphs else model
     if tcfg.compile:
+        if tcfg.static_shapes or tcfg.cuda_graphs:  # one specialised graph per static shape, not one dynamic graph
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         net = torch.compile(net)
     return Parallelized(model, net, amp_dtype, scaler, env.device)

@@ -85,7 +85,7 @@ class Trainer:
         self.guard = NonfiniteGuard(self.tcfg, self.optimizer, self.scaler)  # trainer.nonfinite
         # trainer.cuda_graphs: the step as CUDA graphs; on a CPU (tests only: parallelize refuses it) run eagerly
         self.graphs = GraphStep(self.model, self.net, self.optimizer, self.autocast, self.tcfg, self.guard,
-                                env.world_size, capture=env.device.type == "cuda") if self.tcfg.cuda_graphs else None
+                                env, capture=env.device.type == "cuda") if self.tcfg.cuda_graphs else None
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -342,8 +342,8 @@ class Trainer:
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
             nll_sum += nll.detach()
-        if self.graphs is not None:  # the sums on the device (tokens counted there too)
-            tokens, loss_sum, nll_sum = self.graphs.sums()
+        if self.graphs is not None:  # gradients all-reduced (eager); the sums on the device, tokens counted there too
+            tokens, loss_sum, nll_sum = self.graphs.reduce()
         if self.timer is not None:
             self.timer.mark("forward_backward")
         # Token count, loss sums and the stop, late, anneal and nonfinite flags travel in one tensor and one
