@@ -169,6 +169,7 @@ def measure(trainer, b) -> dict:
     _sync(device)
     warmup_s = time.perf_counter() - t0
     graphs_warm = speedups.compiled_graphs()
+    captured_warm = captured(trainer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer.timer = timer = StepTimer(device)
@@ -192,7 +193,14 @@ def measure(trainer, b) -> dict:
             "profile": prof,
             "graphs": graphs if trainer.tcfg.compile else None,
             "graphs_during_timed": (graphs - graphs_warm) if trainer.tcfg.compile and graphs is not None else None,
+            "cuda_graphs_captured": captured(trainer),
+            "cuda_graphs_captured_timed": captured(trainer) - captured_warm if trainer.graphs is not None else None,
             "peak_mem_gb": peak_memory_gb(device)}
+
+
+def captured(trainer):
+    """Micro-batch CUDA graphs captured so far (trainer.cuda_graphs on a GPU), or None."""
+    return len(trainer.graphs.micro) if trainer.graphs is not None else None
 
 
 def shape_of(trainer):
@@ -274,6 +282,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "top_ops": prof["top"] if prof else None, "top_ops_kind": (
             ("kernels_self_device" if env.device.type == "cuda" else "ops_self_cpu") if prof else None),
         "graphs": m["graphs"], "graphs_during_timed": m["graphs_during_timed"],
+        **{k: m[k] for k in ("cuda_graphs_captured", "cuda_graphs_captured_timed")},
     }
 
 
@@ -337,6 +346,9 @@ def table(r: dict) -> str:
     if r["top_ops"] is not None:
         rows.append(("device busy", f"{100 * r['busy']:.1f}% of the profile window ({r['profile_steps']} steps)"
                      if r["busy"] is not None else f"n/a on CPU ({r['profile_steps']} steps profiled)"))
+    if r.get("cuda_graphs_captured") is not None:  # a capture costs a few steps' time: timed ones count it
+        rows.append(("CUDA graphs captured", f"{r['cuda_graphs_captured']} micro-batch shapes "
+                                             f"({r['cuda_graphs_captured_timed']} during the timed steps)"))
     if r["graphs"] is not None:
         rows.append(("compiled graphs", f"{r['graphs']} ({r['graphs_during_timed']} during the timed steps)"))
     width = max(len(k) for k, _ in rows)
