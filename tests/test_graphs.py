@@ -187,6 +187,22 @@ def fresh_weights(t) -> dict:
     return {name: p.detach() for name, p in fresh.named_parameters()}
 
 
+def test_the_graph_safe_step_reads_nothing_on_the_host(tmp_path):
+    """What a CUDA graph needs: no device value read on the host in the step (token count, rate, Adam's step
+    counters and the non-finite skip stay on the device), checked eagerly on the CPU with test_hotpath's
+    dispatch spy, nothing exempt."""
+    from tests.test_hotpath import HostReadSpy
+    t = graph_safe_trainer(tmp_path, "trainer.clip_norm=1.0", "trainer.accumulate=2")
+    steps = ragged_steps(4, 2)
+    window, flag = TrainWindow(), LaggedFlag()
+    t._train_step(steps[0], window, flag)  # creates Adam's state
+    with HostReadSpy() as s:
+        for m in steps[1:]:
+            result, stop = t._train_step(m, window, flag)
+    assert s.seen == [] and stop is False
+    assert all(isinstance(v, torch.Tensor) for v in (result.tokens, result.loss, result.grad_norm))
+
+
 def _worker(rank: int, port: int, out: str):
     from tests.helpers.dist import join_gloo
     from transformer import dist
