@@ -38,6 +38,8 @@ WORKLOADS = {
 # Switch sets: name -> overrides. "eager" is the baseline (the defaults: bf16 autocast, the fused loss).
 SWITCH_SETS = {
     "eager": (),
+    "cuda_graphs": ("trainer.cuda_graphs=true",),  # static shapes, each step replayed as CUDA graphs
+    "static_shapes": ("trainer.static_shapes=true",),  # the same shapes eager: what the padding costs
     "compile+bf16_residual": ("trainer.compile=true", "trainer.bf16_residual=true"),  # fused dropout+add+norm
     "bf16_residual": ("trainer.bf16_residual=true",),  # the residual stream in bf16, eager
     # packed real tokens; torch's varlen kernel has no dropout, so P_drop 0 (flash-attn would keep it)
@@ -46,22 +48,25 @@ SWITCH_SETS = {
     "loss=reference": ("trainer.loss=reference",),  # the log_softmax loss the fused one replaces
     "fp8": ("trainer.precision=fp8",),  # float8 Linear products (torchao; sm_89+), bf16 elsewhere
     "compile+fp8": ("trainer.compile=true", "trainer.precision=fp8"),  # torchao's casts fused by the compiler
+    # every switch that removes work or launches at once (compile + CUDA graphs: never run together yet)
+    "all": ("trainer.compile=true", "trainer.bf16_residual=true", "trainer.cuda_graphs=true"),
 }
-# What runs, most telling first (past --budget-s the rest is skipped): the main workloads eager, each other
-# switch set at 16k, the remaining workloads eager, then the switch sets at the recipes' sizes.
-PLAN = ([(w, "eager") for w in ("big@16k", "base@16k", "big@recipe", "multi30k")]
-        + [("big@16k", s) for s in ("fp8", "compile", "compile+fp8")]  # fp8 against bf16 while time is left
-        + [(w, s) for w in ("big@16k", "base@16k") for s in SWITCH_SETS if s != "eager"]
-        + [(w, "eager") for w in ("base@recipe", "big@32k")]
-        + [(w, s) for w in ("big@recipe", "base@recipe") for s in SWITCH_SETS if s != "eager"])
 # trainer.micro_batch=fit: the WMT14 recipes' 8-GPU update on one GPU (1 x 8 x 3,300 tokens), as 8 micro-batches
 # (fixed) and as the largest micro-batch the GPU holds (fit); fewer steps: a step of 8 micro-batches is long.
 FIT_SETS = {"acc8": ("trainer.accumulate=8", "trainer.micro_batch=fixed"),
             "acc8+fit": ("trainer.accumulate=8", "trainer.micro_batch=fit")}
 FIT_SETS = {k: (*v, "bench.steps=30", "bench.repeats=2", "bench.warmup=5") for k, v in FIT_SETS.items()}
 SWITCH_SETS.update(FIT_SETS)
-PLAN[4:4] = [("big@recipe", s) for s in FIT_SETS]  # after the main workloads eager
-PLAN += [("base@recipe", s) for s in FIT_SETS]
+# What runs, most telling first (past --budget-s the rest is skipped): the main workloads eager; the switch sets
+# most likely to move MFU at 16k (big then base, set by set); the recipe's update on one GPU fixed and fitted; the
+# other switch sets at 16k; the remaining workloads eager; then every switch set at the recipes' sizes.
+FIRST = ("compile+bf16_residual", "cuda_graphs", "compile", "fp8", "compile+fp8", "all")
+PLAN = ([(w, "eager") for w in ("big@16k", "base@16k", "big@recipe", "multi30k")]
+        + [(w, s) for s in FIRST for w in ("big@16k", "base@16k")]
+        + [("big@recipe", s) for s in FIT_SETS]
+        + [(w, s) for s in SWITCH_SETS if s != "eager" and s not in FIT_SETS for w in ("big@16k", "base@16k")]
+        + [(w, "eager") for w in ("base@recipe", "big@32k")]
+        + [(w, s) for w in ("big@recipe", "base@recipe") for s in SWITCH_SETS if s != "eager"])
 PLAN = list(dict.fromkeys(PLAN))  # each run once, at its first place
 COMMON = ("bench.synthetic=true", "bench.warmup=10", "trainer.progress=false")  # bench.steps: 100 on a GPU
 # --dry-run: the same plan on a CPU, shrunk to seconds a run (compilation, minutes on a CPU, is skipped).
@@ -232,6 +237,8 @@ def plan(args, keys: set) -> tuple:
             skipped.append({"workload": workload, "switches": name, "why": "dry run: no compilation on a CPU"})
         elif args.dry_run and "trainer.precision=fp8" in switch:  # the dry run's fp32 would replace it
             skipped.append({"workload": workload, "switches": name, "why": "dry run: float8 needs a GPU of sm_89+"})
+        elif args.dry_run and "trainer.cuda_graphs=true" in switch:
+            skipped.append({"workload": workload, "switches": name, "why": "dry run: no CUDA graphs on a CPU"})
         else:
             todo.append((workload, name, [*WORKLOADS[workload], *COMMON, *switch, *(DRY if args.dry_run else ())]))
     return todo, skipped

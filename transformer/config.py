@@ -101,6 +101,14 @@ class TrainerConfig:
     micro_batch: str = "fixed"
     micro_batch_margin: float = 0.1  # fit: share of the GPU's memory left free above the probe's peak
     micro_batch_tolerance: float = 0.01  # fit: largest relative change of the tokens per update, else refused
+    # Training micro-batches padded to a few fixed (rows, source, target) shapes (transformer/data/shapes.py):
+    # lengths on a ladder of multiples of 8 in steps of 1.5 and 4/3, rows from data.max_tokens; padding rows carry
+    # no loss. Few shapes for torch.compile and CUDA graphs, at the cost of padding (transformer-bench reports it).
+    static_shapes: bool = False
+    # CUDA: each static shape's forward+backward and the update replayed as CUDA graphs, the gradient all-reduce
+    # eager between them (transformer/training/graphs.py); implies static_shapes. Not with fp16, unpadded
+    # attention or activation checkpointing.
+    cuda_graphs: bool = False
 
 
 @dataclass
@@ -296,6 +304,13 @@ def check_trainer(t) -> None:
     _check(t.pad_to_multiple is None or t.pad_to_multiple >= 1, "trainer.pad_to_multiple", t.pad_to_multiple,
            "must be >= 1 or null")
     _check(t.ddp_bucket_mb > 0, "trainer.ddp_bucket_mb", t.ddp_bucket_mb, "must be > 0")
+    for key, conflict in (("unpadded_attention", "packs the real tokens into shapes that vary"),
+                          ("activation_checkpointing", "its recomputation is not captured"),
+                          ("precision", "fp16's grad scaler reads its overflow check on the host: use bf16 or fp32")):
+        on = t[key] == "fp16" if key == "precision" else t[key]
+        _check(not (on and t.cuda_graphs), "trainer.cuda_graphs", True, f"not with trainer.{key}={t[key]}: {conflict}")
+    _check(not (t.static_shapes and t.unpadded_attention), "trainer.static_shapes", True,
+           "not with trainer.unpadded_attention=true: it packs the real tokens into shapes that vary")
 
 
 def check_data(d) -> None:

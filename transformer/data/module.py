@@ -77,6 +77,14 @@ class DataModule:
         self.valid_sampler = TokenBatchSampler(valid.src_sizes, valid.tgt_sizes, max_tokens, max_sentences,
                                                seed=seed, rank=rank, world_size=world_size, shuffle=False)
 
+    def use_static_shapes(self) -> None:
+        """trainer.static_shapes: training batches packed by ladder lengths (transformer/data/shapes.py), so
+        each padded to its static shape fits data.max_tokens. Before the first epoch is planned, or it is
+        planned again."""
+        self._sampler_args["static_shapes"] = True
+        self.train_sampler.static_shapes, self.train_sampler._cache = True, (None, None)
+        self._epochs.clear()
+
     @property
     def src_vocab_size(self) -> int:
         return self.tokenizer.src_vocab_size

@@ -112,10 +112,12 @@ def _sync(device: torch.device) -> None:
 class Totals:
     """What the timed steps processed, counted on the host from the CPU batches (no device reads): real tokens,
     and the FLOPs of the real tokens (each sentence at its own lengths), of the batches' own padded shapes, and
-    of the shapes the model runs on (lengths padded up to `multiple`)."""
+    of the shapes the model runs on (lengths padded up to `multiple`, or, with trainer.static_shapes, the
+    static shape `shape_of(batch)` returns: its extra rows and lengths count as waste too)."""
 
-    def __init__(self, args, multiple: int):
-        self.args, self.multiple = args, multiple
+    def __init__(self, args, multiple: int, shape_of=None):
+        self.args, self.multiple, self.shape_of = args, multiple, shape_of
+        self.shapes = set()  # the distinct shapes the model ran on
         self.tgt = self.src = self.sentences = self.slots = 0
         self.flops_real = self.flops_batch = self.flops_run = 0
         self.data_s = 0.0
@@ -129,7 +131,9 @@ class Totals:
             src_lens, tgt_lens = (b.src != PAD).sum(1).tolist(), (b.tgt_out != PAD).sum(1).tolist()  # CPU tensors
             self.flops_real += real_flops(self.args, src_lens, tgt_lens)
             self.flops_batch += step_flops(self.args, [(B, S, T)])
-            self.flops_run += step_flops(self.args, [(B, -(-S // m) * m, -(-T // m) * m)])
+            shape = self.shape_of(b) if self.shape_of is not None else (B, -(-S // m) * m, -(-T // m) * m)
+            self.shapes.add(shape)
+            self.flops_run += step_flops(self.args, [shape])
             self.tgt += b.n_tokens
             self.src += sum(src_lens)
             self.sentences += B
@@ -168,13 +172,14 @@ def measure(trainer, b) -> dict:
     _sync(device)
     warmup_s = time.perf_counter() - t0
     graphs_warm = speedups.compiled_graphs()
+    captured_warm = captured(trainer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     trainer.timer = timer = StepTimer(device)
     windows = []  # (wall seconds, Totals) of each repeat
     flag = LaggedFlag()  # the trainer's: its waits are the host syncs of the stop flag
     for _ in range(b.repeats):
-        totals = Totals(trainer.model.args, trainer.pad_multiple)
+        totals = Totals(trainer.model.args, trainer.pad_multiple, shape_of(trainer))
         t0 = time.perf_counter()
         run_steps(trainer, batches, steps, progress, totals, flag)
         _sync(device)
@@ -191,7 +196,19 @@ def measure(trainer, b) -> dict:
             "profile": prof,
             "graphs": graphs if trainer.tcfg.compile else None,
             "graphs_during_timed": (graphs - graphs_warm) if trainer.tcfg.compile and graphs is not None else None,
+            "cuda_graphs_captured": captured(trainer),
+            "cuda_graphs_captured_timed": captured(trainer) - captured_warm if trainer.graphs is not None else None,
             "peak_mem_gb": peak_memory_gb(device)}
+
+
+def captured(trainer):
+    """Micro-batch CUDA graphs captured so far (trainer.cuda_graphs on a GPU), or None."""
+    return len(trainer.graphs.micro) if trainer.graphs is not None else None
+
+
+def shape_of(trainer):
+    """The static shape a batch is padded to (trainer.static_shapes, trainer.cuda_graphs), or None."""
+    return trainer._static_shape if trainer.static_shapes else None
 
 
 def peak_memory_gb(device: torch.device) -> float:
@@ -210,6 +227,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
     windows = m["windows"]
     n = len(windows)
     t = Totals(trainer.model.args, trainer.pad_multiple)  # all windows together
+    t.shapes = set().union(*(w.shapes for _, w in windows))
     for key in ("tgt", "src", "sentences", "slots", "flops_real", "flops_batch", "flops_run", "data_s"):
         setattr(t, key, sum(getattr(w, key) for _, w in windows))
     local_wall = sum(wall for wall, _ in windows)
@@ -244,7 +262,9 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "data": "synthetic" if b.synthetic else cfg.data.name, "max_tokens": trainer.data.train_sampler.max_tokens,
         "loader_workers": trainer.data.num_workers,
         "accumulate": trainer.accumulate, "compute": compute, "compile": trainer.tcfg.compile,
-        "pad_to_multiple": trainer.pad_multiple, "activation_checkpointing": trainer.tcfg.activation_checkpointing,
+        "pad_to_multiple": trainer.pad_multiple, "static_shapes": trainer.static_shapes,
+        "cuda_graphs": trainer.tcfg.cuda_graphs, "shapes": len(t.shapes),
+        "activation_checkpointing": trainer.tcfg.activation_checkpointing,
         "warmup_steps": b.warmup, "warmup_s": m["warmup_s"], "steps": steps, "repeats": n, "wall_s": wall,
         "tgt_tokens_per_s": tgt / wall, "src_tokens_per_s": src / wall, "sentences_per_s": sents / wall,
         "tgt_tokens_per_s_spread": _spread(per_window),
@@ -265,6 +285,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "top_ops": prof["top"] if prof else None, "top_ops_kind": (
             ("kernels_self_device" if env.device.type == "cuda" else "ops_self_cpu") if prof else None),
         "graphs": m["graphs"], "graphs_during_timed": m["graphs_during_timed"],
+        **{k: m[k] for k in ("cuda_graphs_captured", "cuda_graphs_captured_timed")},
     }
 
 
@@ -316,8 +337,9 @@ def table(r: dict) -> str:
         ("model FLOPs / step", f"{r['flops_per_step'] / 1e12:.4g} TFLOP on real tokens (per worker); "
                                f"{r['flops_computed_per_step'] / 1e12:.4g} computed"),
         ("  waste: padding", f"{100 * r['waste_padding']:.1f}% of computed FLOPs (to each batch's longest)"),
-        ("  waste: pad to multiple", f"{100 * r['waste_pad_multiple']:.1f}% of computed FLOPs "
-                                     f"(trainer.pad_to_multiple={r['pad_to_multiple']})"),
+        ("  waste: pad to multiple", f"{100 * r['waste_pad_multiple']:.1f}% of computed FLOPs " + (
+            f"(static shapes: rows and lengths, {r['shapes']} shapes)" if r.get("static_shapes") else
+            f"(trainer.pad_to_multiple={r['pad_to_multiple']})")),
         ("achieved", f"{r['achieved_tflops']:.4g} TFLOP/s on real tokens (per worker)"),
         ("MFU", mfu),
     ]
@@ -327,6 +349,9 @@ def table(r: dict) -> str:
     if r["top_ops"] is not None:
         rows.append(("device busy", f"{100 * r['busy']:.1f}% of the profile window ({r['profile_steps']} steps)"
                      if r["busy"] is not None else f"n/a on CPU ({r['profile_steps']} steps profiled)"))
+    if r.get("cuda_graphs_captured") is not None:  # a capture costs a few steps' time: timed ones count it
+        rows.append(("CUDA graphs captured", f"{r['cuda_graphs_captured']} micro-batch shapes "
+                                             f"({r['cuda_graphs_captured_timed']} during the timed steps)"))
     if r["graphs"] is not None:
         rows.append(("compiled graphs", f"{r['graphs']} ({r['graphs_during_timed']} during the timed steps)"))
     width = max(len(k) for k, _ in rows)

@@ -39,12 +39,17 @@ class StepResult(NamedTuple):
         return self.stats[3:]
 
 
-def new_stats(device: torch.device, tokens: int, loss: torch.Tensor, nll: torch.Tensor, stop: bool,
-              late: bool = False, anneal: bool = False, nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
+def new_stats(device: torch.device, tokens: Union[int, torch.Tensor], loss: torch.Tensor, nll: torch.Tensor,
+              stop: bool, late: bool = False, anneal: bool = False,
+              nonfinite: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(7,) float64 on `device`. Python numbers enter through fill_ (a kernel argument, not a host-to-device
-    copy from pageable memory, which would wait for the GPU); the sums are device-to-device copies."""
+    copy from pageable memory, which would wait for the GPU); the sums, and a token count kept on the device
+    (trainer.cuda_graphs), are device-to-device copies."""
     stats = torch.empty(len(STATS), dtype=torch.float64, device=device)
-    stats[0].fill_(tokens)
+    if isinstance(tokens, torch.Tensor):
+        stats[0].copy_(tokens)
+    else:
+        stats[0].fill_(tokens)
     stats[1].copy_(loss)
     stats[2].copy_(nll)
     stats[3].fill_(float(stop))

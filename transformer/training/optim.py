@@ -68,7 +68,10 @@ class NoamSchedule:
 
     def _apply(self) -> None:
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr()
+            if isinstance(group["lr"], torch.Tensor):  # capturable Adam (CUDA graphs): written in place, no sync
+                group["lr"].fill_(self.lr())
+            else:
+                group["lr"] = self.lr()
 
     def step(self) -> None:
         self.step_num += 1
@@ -104,12 +107,28 @@ def fall_steps(anneal: float, epoch: int, batch_index: int, accumulate: int, bat
         batches, share = batches_of(epoch), 1.0
 
 
-def build_optimizer(model: torch.nn.Module, cfg_optim, d_model: int):
-    """Adam(beta1=0.9, beta2=0.98, eps=1e-9) with the Noam schedule. Tied weights appear once in parameters()."""
+def build_optimizer(model: torch.nn.Module, cfg_optim, d_model: int, capturable: bool = False):
+    """Adam(beta1=0.9, beta2=0.98, eps=1e-9) with the Noam schedule. Tied weights appear once in parameters().
+    `capturable` (trainer.cuda_graphs): state and learning rate live on the device, so the step can be
+    captured in a CUDA graph; the schedule writes the rate into its tensor before each step."""
     params = [p for p in model.parameters() if p.requires_grad]
     # Fused Adam: one kernel over all parameters, on CPUs too (torch >= 2.4), several times faster than the
     # per-tensor loop (docs/performance.md).
     kwargs = {"fused": True} if params and params[0].device.type in ("cuda", "cpu") else {}
-    opt = torch.optim.Adam(params, lr=0.0, betas=(cfg_optim.beta1, cfg_optim.beta2), eps=cfg_optim.eps,
+    lr = 0.0
+    if capturable:
+        kwargs["capturable"] = True
+        lr = torch.zeros((), device=params[0].device)
+    opt = torch.optim.Adam(params, lr=lr, betas=(cfg_optim.beta1, cfg_optim.beta2), eps=cfg_optim.eps,
                            weight_decay=cfg_optim.weight_decay, **kwargs)
     return opt, NoamSchedule(opt, d_model, cfg_optim.warmup, cfg_optim.factor, cfg_optim.anneal)
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
+    """`optimizer.load_state_dict(state)`, keeping this run's own `lr` object (a device tensor under
+    trainer.cuda_graphs, else a number), `capturable` and `fused`: the checkpoint's groups would replace
+    them, and a checkpoint written with or without CUDA graphs resumes under either setting."""
+    own = [{k: g[k] for k in ("lr", "capturable", "fused") if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, keep in zip(optimizer.param_groups, own, strict=True):
+        group.update(keep)

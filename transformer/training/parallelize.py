@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from transformer.dist import DistEnv
 from transformer.training import fp8, speedups
+from transformer.training.graphs import check_cuda_graphs
 from transformer.training.logs import note, warn
 
 
@@ -83,6 +84,7 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
     """
     tcfg = cfg.trainer
     fp8.check(tcfg, env.device)  # a CPU, a GPU before sm_89, no torchao: refused, one line
+    check_cuda_graphs(tcfg, env.device)  # before anything moves to the device
     model = model.to(env.device)
     amp_dtype = autocast_dtype(tcfg.precision, env.device)
     slow_bf16 = speedups.emulated_bf16(env.device) if amp_dtype == torch.bfloat16 else None
@@ -98,7 +100,10 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         model.set_unpadded_attention(True)
     if tcfg.activation_checkpointing:
         speedups.checkpoint_layers(model)
-    net = DDP(model, **speedups.ddp_kwargs(tcfg, env.device)) if env.distributed else model
+    # trainer.cuda_graphs all-reduces its flat gradient buffer itself (transformer/training/graphs.py)
+    net = DDP(model, **speedups.ddp_kwargs(tcfg, env.device)) if env.distributed and not tcfg.cuda_graphs else model
     if tcfg.compile:
+        if tcfg.static_shapes or tcfg.cuda_graphs:  # one specialised graph per static shape, not one dynamic graph
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         net = torch.compile(net)
     return Parallelized(model, net, amp_dtype, scaler, env.device)

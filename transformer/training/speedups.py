@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from transformer.data.batch import PAD, Batch
+from transformer.data.shapes import pad_to_shape
 from transformer.model.layers import no_cudnn_attention
 from transformer.training.logs import note
 
@@ -108,11 +109,15 @@ def pad_multiple(tcfg) -> int:
     return 8 if tcfg.compile else 1
 
 
-def prepare_batch(batch: Batch, multiple: int, dynamic: bool) -> Batch:
+def prepare_batch(batch: Batch, multiple: int, dynamic: bool, shape: Optional[tuple] = None) -> Batch:
     """Right-pads source and target lengths (on the device) to a multiple of `multiple` with <pad>, which
     every mask and the loss already ignore, and under torch.compile marks batch size and lengths dynamic,
-    so one compiled graph serves the varying shapes of token-bucketed batches instead of one per shape."""
+    so one compiled graph serves the varying shapes of token-bucketed batches instead of one per shape.
+    With a static `shape` (rows, S, T) (trainer.static_shapes: transformer/data/shapes.py) the batch is
+    padded to it instead, lengths and rows, and nothing is marked dynamic: each shape gets its own graph."""
     src, tgt_in, tgt_out = batch.src, batch.tgt_in, batch.tgt_out
+    if shape is not None:
+        return Batch(*pad_to_shape(src, tgt_in, tgt_out, shape), batch.ids, batch.n_tokens)
     if multiple > 1:
         src = _pad_to(src, multiple)
         tgt_in, tgt_out = _pad_to(tgt_in, multiple), _pad_to(tgt_out, multiple)

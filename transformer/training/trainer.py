@@ -14,6 +14,7 @@ import torch
 
 from transformer import exit_codes
 from transformer.config import to_container
+from transformer.data.shapes import static_shape
 from transformer.dist import DistEnv, rank_zero
 from transformer.specials import PAD
 from transformer.tasks import Task
@@ -24,11 +25,12 @@ from transformer.training.checkpoint import (
     CheckpointError,
 )
 from transformer.training.ema import EMA
+from transformer.training.graphs import GraphStep
 from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.nonfinite import Diverged, NonfiniteGuard, check_weights, diverged_line
-from transformer.training.optim import build_optimizer, fall_steps
+from transformer.training.optim import build_optimizer, fall_steps, load_optimizer_state
 from transformer.training.parallelize import Parallelized
 from transformer.training.quality import RunClock, TimeToQuality
 from transformer.training.run_end import end_of_run
@@ -60,11 +62,15 @@ class Trainer:
         self.parallel = parallel
         self.model, self.net = parallel.model, parallel.net  # the module, and what the training step calls
         self.amp_dtype, self.scaler = parallel.amp_dtype, parallel.scaler
-        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model)
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg.optim, cfg.model.d_model,
+                                                         capturable=self.tcfg.cuda_graphs)
         self.pad_multiple = speedups.pad_multiple(self.tcfg)
         # micro-batches per step, and trainer.micro_batch=fit's choice (training/microbatch.py), checkpointed
         self.accumulate, self.micro_batch = self.tcfg.accumulate, None
         data.packings = self.tcfg.unpadded_attention  # its batches carry host-made packings: no host sync
+        self.static_shapes = self.tcfg.static_shapes or self.tcfg.cuda_graphs  # transformer/data/shapes.py
+        if self.static_shapes:
+            data.use_static_shapes()
         self.timer: Optional[StepTimer] = None  # transformer-bench's phase timer
         self.step = self.epoch = self.batch_index = 0
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
@@ -80,6 +86,9 @@ class Trainer:
                                    label_smoothing=self.tcfg.label_smoothing, patience=cfg.eval.patience,
                                    autocast=parallel.autocast, clock=self.clock, quality=self.quality)
         self.guard = NonfiniteGuard(self.tcfg, self.optimizer, self.scaler)  # trainer.nonfinite
+        # trainer.cuda_graphs: the step as CUDA graphs; on a CPU (tests only: parallelize refuses it) run eagerly
+        self.graphs = GraphStep(self.model, self.net, self.optimizer, self.autocast, self.tcfg, self.guard,
+                                env, capture=env.device.type == "cuda") if self.tcfg.cuda_graphs else None
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -114,7 +123,7 @@ class Trainer:
                 "order depends on the worker count, so an exact resume is impossible. Rerun with the same number "
                 "of workers, or start a new run from its weights with trainer.init_from=PATH")
         self.load_weights(ckpt, path)
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        load_optimizer_state(self.optimizer, ckpt["optimizer"])
         self.scheduler.load_state_dict(ckpt["scheduler"])
         self.scaler.load_state_dict(ckpt["scaler"])
         self.step, self.epoch, self.batch_index = t["step"], t["epoch"], t["batch_index"]
@@ -325,7 +334,11 @@ class Trainer:
         nll_sum = torch.zeros((), device=self.env.device)
         tokens = 0
         for i, batch in enumerate(micro):
-            batch = speedups.prepare_batch(batch.to(self.env.device), self.pad_multiple, self.tcfg.compile)
+            batch = speedups.prepare_batch(batch.to(self.env.device), self.pad_multiple, self.tcfg.compile,
+                                           self._static_shape(batch))
+            if self.graphs is not None:  # forward, loss and backward as one CUDA graph per shape
+                self.graphs.accumulate(batch.src, batch.tgt_in, batch.tgt_out, self._dropout)
+                continue
             tokens += batch.n_tokens
             last = i == len(micro) - 1
             sync = self.net.no_sync() if (self.env.distributed and not last) else contextlib.nullcontext()
@@ -337,6 +350,8 @@ class Trainer:
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
             nll_sum += nll.detach()
+        if self.graphs is not None:  # gradients all-reduced (eager); the sums on the device, tokens counted there too
+            tokens, loss_sum, nll_sum = self.graphs.reduce()
         if self.timer is not None:
             self.timer.mark("forward_backward")
         # Token count, loss sums and the stop, late, anneal and nonfinite flags travel in one tensor and one
@@ -349,6 +364,12 @@ class Trainer:
                                                nonfinite))
         if self.timer is not None:
             self.timer.mark("communication")
+        if self.graphs is not None:  # normalise, clip, Adam and zero the gradients as one CUDA graph
+            grad_norm = self.graphs.update(stats)
+            self.scheduler.step()  # writes the next rate into Adam's device tensor
+            if self.timer is not None:
+                self.timer.mark("optimizer")
+            return step_result(stats, grad_norm)
         self.scaler.unscale_(self.optimizer)
         # DDP averaged the ranks' gradients of summed losses; turn that into the gradient of the mean over tokens.
         torch._foreach_mul_(grads, (self.env.world_size / stats[0].clamp(min=1.0)).float())
@@ -363,6 +384,13 @@ class Trainer:
         if self.timer is not None:
             self.timer.mark("optimizer")
         return step_result(stats, grad_norm)
+
+    def _static_shape(self, batch) -> Optional[tuple]:
+        """trainer.static_shapes: the (rows, S, T) this epoch's batch is padded to (transformer/data/shapes.py)."""
+        if not self.static_shapes:
+            return None
+        budget = self.data.train_sampler.tokens_of(self.epoch)
+        return static_shape(batch.src.size(1), batch.tgt_in.size(1), budget, self.cfg.data.max_sentences)
 
     def _log_train(self, window: TrainWindow, grad_norm: Optional[torch.Tensor]) -> dict:
         """Logs the window's averages (its one host sync) and returns what the progress bar shows."""

@@ -1,0 +1,49 @@
+"""Static batch shapes (trainer.static_shapes) on a real training split: prints, asserts nothing.
+
+    python benchmarks/bench_shapes.py [experiment=multi30k] [data.root=DIR] [--budgets 512,1024,2048,4096,16384]
+
+For each token budget, one epoch as the sampler plans it, without and with static shapes: batches, distinct
+(rows, source, target) shapes the model would see, and the share of the computed source+target positions that
+is padding (to each batch's longest sentence; with static shapes, to the static shape's rows and lengths).
+"""
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.helpers.cli import compose_cfg  # noqa: E402
+from transformer.data import build_data  # noqa: E402
+from transformer.data.sampler import TokenBatchSampler  # noqa: E402
+from transformer.data.shapes import static_shape  # noqa: E402
+from transformer.dist import DistEnv  # noqa: E402
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("overrides", nargs="*", default=["experiment=multi30k"])
+    p.add_argument("--budgets", default="512,1024,2048,4096,16384")
+    args = p.parse_args(argv)
+    cfg = compose_cfg(*args.overrides, "trainer.accelerator=cpu")
+    data = build_data(cfg, DistEnv(), None, None)
+    src, tgt = data.train.src_sizes, data.train.tgt_sizes
+    real = int(src.sum() + tgt.sum())
+    print(f"{' '.join(args.overrides)}: {len(src)} pairs, {real} source+target tokens (specials included)")
+    print("| max_tokens | batches plain / static | distinct shapes plain / static | padding share plain / static |")
+    print("|---|---|---|---|")
+    for budget in (int(b) for b in args.budgets.split(",")):
+        row = []
+        for static in (False, True):
+            batches = TokenBatchSampler(src, tgt, budget, cfg.data.max_sentences, seed=cfg.seed,
+                                        static_shapes=static).epoch_batches(0)
+            shapes = [static_shape(int(src[b].max()), int(tgt[b].max()), budget, cfg.data.max_sentences) if static
+                      else (len(b), int(src[b].max()), int(tgt[b].max())) for b in batches]
+            padded = sum(R * (S + T) for R, S, T in shapes)
+            row.append((len(batches), len(set(shapes)), 1 - real / padded))
+        (b0, s0, w0), (b1, s1, w1) = row
+        print(f"| {budget:,} | {b0:,} / {b1:,} | {s0} / {s1} | {100 * w0:.1f} % / {100 * w1:.1f} % |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,59 @@
+"""Static batch shapes (trainer.static_shapes): every training micro-batch padded to one of a few fixed
+(rows, source length, target length) shapes, so torch.compile and CUDA graphs see a handful of shapes
+instead of one per batch.
+
+Lengths come from one fixed geometric ladder of multiples of 8 (8, 16, 24, 32, 48, 64, 96, 128, 192, ...:
+steps of 1.5 and 4/3), so a length over 16 is padded by at most half of itself. The sampler packs a batch by its
+examples' ladder lengths (`shape_length(max(source, target))`), so a batch of length L holds at most
+`rows(L, budget)` = budget // L sentences, and padded to that many rows it still costs at most the token
+budget: the memory the user sized data.max_tokens for. Rows added to reach the fixed row count are dummy
+pairs that carry no loss: source `</s>` alone (one real key, so no attention row is all masked and softmax
+never sees a row of -inf), target all <pad> (no loss, hence no gradient).
+"""
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from transformer.specials import EOS, PAD
+
+SMALLEST = 8
+
+
+def shape_length(n: int) -> int:
+    """The smallest ladder length >= n: 8, 16, then 2^k and 1.5 * 2^k (24, 32, 48, 64, 96, ...)."""
+    if n <= SMALLEST:
+        return SMALLEST
+    if n <= 16:
+        return 16
+    power = 1 << (int(n) - 1).bit_length()  # the smallest power of two >= n
+    return power * 3 // 4 if n <= power * 3 // 4 else power
+
+
+def rows(length: int, budget: int, max_sentences: Optional[int] = None) -> int:
+    """Sentences a batch of ladder length `length` may hold within `budget` tokens (at least one)."""
+    n = max(budget // length, 1)
+    return min(n, max_sentences) if max_sentences else n
+
+
+def static_shape(src_len: int, tgt_len: int, budget: int, max_sentences: Optional[int] = None
+                 ) -> Tuple[int, int, int]:
+    """(rows, S, T) of a batch whose padded source and target lengths are `src_len`, `tgt_len`: each length
+    up to its ladder length, the rows from the longer side's (the sampler packed the batch by it)."""
+    S, T = shape_length(src_len), shape_length(tgt_len)
+    return rows(max(S, T), budget, max_sentences), S, T
+
+
+def pad_to_shape(src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, shape: Tuple[int, int, int]):
+    """(B, S0), (B, T0), (B, T0) -> (rows, S), (rows, T), (rows, T): lengths right-padded with <pad>, then dummy
+    rows appended (source `</s>` then <pad>, targets all <pad>). Works on any device; no host sync."""
+    R, S, T = shape
+    B = src.size(0)
+    if B > R or src.size(1) > S or tgt_in.size(1) > T:
+        raise ValueError(f"a batch of shape {(B, src.size(1), tgt_in.size(1))} does not fit static shape {shape}")
+    src = F.pad(src, (0, S - src.size(1), 0, R - B), value=PAD)
+    tgt_in = F.pad(tgt_in, (0, T - tgt_in.size(1), 0, R - B), value=PAD)
+    tgt_out = F.pad(tgt_out, (0, T - tgt_out.size(1), 0, R - B), value=PAD)
+    if R > B:
+        src[B:, 0] = EOS
+    return src, tgt_in, tgt_out
