@@ -6,7 +6,7 @@ PYTEST := $(BIN)/python -m pytest
 # CPU machines pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
 CONSTRAINTS ?= constraints-cpu.txt
 
-.PHONY: install train test test-slow test-docker test-slurm test-gpu bench-gpu bench-gpu-dry test-all clean
+.PHONY: install train test test-slow test-docker test-slurm test-gpu gpu-wheels bench-gpu bench-gpu-dry test-all clean
 
 install: $(VENV)/.installed
 
@@ -42,8 +42,16 @@ GPU_PYTHON ?= python3
 BENCH_OUT ?= outputs/bench-gpu-$(shell date +%Y%m%d-%H%M%S).jsonl
 # BENCH_ARGS="--decode-checkpoint RUN/checkpoints/best.pt": decoding speed of a trained model (no spaCy needed)
 BENCH_ARGS ?=
+# The GPU machines lent to this project have torch, sacreBLEU and tokenizers but not these, and no network:
+# `make gpu-wheels` here, then carry .whl with the checkout; bench-gpu installs them into /tmp/site first.
+GPU_WHEELS ?= antlr4-python3-runtime==4.9.3 hydra-core==1.3.8 omegaconf==2.3.1 torchao==0.18.0
+gpu-wheels: install  ## the wheels bench-gpu needs on a bare GPU machine, into .whl/
+	rm -rf .whl && $(BIN)/python -m pip wheel --no-deps -q -w .whl $(GPU_WHEELS)
+
 bench-gpu:  ## GPU tier and GPU benchmarks, under 8 minutes
-	$(GPU_PYTHON) benchmarks/bench_gpu.py --out $(BENCH_OUT) $(BENCH_ARGS)
+	if [ -d .whl ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+	  --upgrade --target /tmp/site .whl/*.whl; fi
+	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/bench_gpu.py --out $(BENCH_OUT) $(BENCH_ARGS)
 
 bench-gpu-dry: install  ## bench-gpu's plumbing on a CPU, every run shrunk
 	$(BIN)/python benchmarks/bench_gpu.py --dry-run --out outputs/bench-gpu-dry.jsonl
