@@ -268,21 +268,21 @@ def test_graph_safe_checkpoints_resume_exactly_and_cross_with_the_ordinary_step(
 
 
 @pytest.mark.parametrize("overrides, conflict", [
-    (("trainer.unpadded_attention=true",), "trainer.unpadded_attention"),
-    (("trainer.activation_checkpointing=true",), "trainer.activation_checkpointing"),
+    (("trainer.unpadded_attention=true",), "trainer.unpadded_attention=true"),
+    (("trainer.activation_checkpointing=true",), "trainer.activation_checkpointing=true"),
     (("trainer.precision=fp16",), "trainer.precision=fp16"),
 ])
 def test_cuda_graphs_refuses_what_it_cannot_capture(overrides, conflict):
     cfg = compose_cfg("experiment=copy", "trainer.cuda_graphs=true", *overrides)
-    with pytest.raises(ConfigError, match=r"^trainer.cuda_graphs=True: not with " + conflict):
+    with pytest.raises(ConfigError, match=r"^trainer.cuda_graphs=true: not with " + conflict):
         validate(cfg)
 
 
 def test_static_shapes_refuses_unpadded_attention_and_cuda_graphs_refuses_a_cpu():
-    with pytest.raises(ConfigError, match=r"^trainer.static_shapes=True: not with trainer.unpadded_attention"):
+    with pytest.raises(ConfigError, match=r"^trainer.static_shapes=true: not with trainer.unpadded_attention"):
         validate(compose_cfg("experiment=copy", "trainer.static_shapes=true", "trainer.unpadded_attention=true"))
     tcfg = compose_cfg("experiment=copy", "trainer.cuda_graphs=true").trainer
-    with pytest.raises(ConfigError, match=r"^trainer.cuda_graphs=True: needs a CUDA device, this run is on cpu"):
+    with pytest.raises(ConfigError, match=r"^trainer.cuda_graphs=true: needs a CUDA device, this run is on cpu"):
         check_cuda_graphs(tcfg, torch.device("cpu"))
     check_cuda_graphs(tcfg, torch.device("cuda", 0))  # accepted
 
@@ -296,7 +296,7 @@ def test_cuda_graphs_on_a_cpu_is_one_error_line_and_exit_code_2(tmp_path):
                          capture_output=True, text=True, env=cli_env(), timeout=300)
     assert res.returncode == 2, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: trainer.cuda_graphs=True: needs a CUDA device, this run is on cpu; set "
+    assert errors == ["error: trainer.cuda_graphs=true: needs a CUDA device, this run is on cpu; set "
                       "trainer.cuda_graphs=false (trainer.static_shapes=true alone works everywhere)"], res.stderr
 
 

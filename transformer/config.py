@@ -250,8 +250,8 @@ def register_configs() -> None:
 
 
 def _check(ok: bool, key: str, value: Any, why: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}={value!r}: {why}")
+    if not ok:  # a boolean as the command line spells it (true, not True)
+        raise ConfigError(f"{key}={str(value).lower() if isinstance(value, bool) else repr(value)}: {why}")
 
 
 def check_model(m, key: str = "model") -> None:
@@ -308,7 +308,8 @@ def check_trainer(t) -> None:
                           ("activation_checkpointing", "its recomputation is not captured"),
                           ("precision", "fp16's grad scaler reads its overflow check on the host: use bf16 or fp32")):
         on = t[key] == "fp16" if key == "precision" else t[key]
-        _check(not (on and t.cuda_graphs), "trainer.cuda_graphs", True, f"not with trainer.{key}={t[key]}: {conflict}")
+        _check(not (on and t.cuda_graphs), "trainer.cuda_graphs", True,
+               f"not with trainer.{key}={str(t[key]).lower()}: {conflict}")
     _check(not (t.static_shapes and t.unpadded_attention), "trainer.static_shapes", True,
            "not with trainer.unpadded_attention=true: it packs the real tokens into shapes that vary")
 

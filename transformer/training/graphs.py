@@ -42,7 +42,7 @@ def check_cuda_graphs(tcfg, device: torch.device) -> None:
     """What trainer.cuda_graphs cannot run on, refused before anything is built (transformer/config.py
     refuses the conflicting keys)."""
     if tcfg.cuda_graphs and device.type != "cuda":
-        raise ConfigError(f"trainer.cuda_graphs=True: needs a CUDA device, this run is on {device.type}; "
+        raise ConfigError(f"trainer.cuda_graphs=true: needs a CUDA device, this run is on {device.type}; "
                           "set trainer.cuda_graphs=false (trainer.static_shapes=true alone works everywhere)")
 
 
