@@ -1,8 +1,9 @@
 """The synthetic copy task: the target is the source (Annotated Transformer, "A First Example")."""
 import numpy as np
 
-from transformer.data.batch import BOS, EOS, PAD, SPECIALS, PairDataset, Ragged
+from transformer.data.batch import BOS, PAD, SPECIALS, PairDataset, Ragged
 from transformer.data.module import DataModule
+from transformer.specials import until_eos
 
 
 class CopyTokenizer:
@@ -25,13 +26,7 @@ class CopyTokenizer:
 
     def decode_tgt(self, ids) -> str:
         """Stops at </s>; drops <pad> and <s>."""
-        out = []
-        for i in map(int, ids):
-            if i == EOS:
-                break
-            if i not in (PAD, BOS):
-                out.append(str(i))
-        return " ".join(out)
+        return " ".join(map(str, until_eos(ids, (PAD, BOS))))
 
     decode_src = decode_tgt
 

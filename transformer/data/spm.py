@@ -17,7 +17,7 @@ from typing import Iterable, List, Optional, Sequence
 import numpy as np
 
 from transformer.atomic import atomic_open, write_text_atomic
-from transformer.specials import EOS, SPECIALS, UNK
+from transformer.specials import SPECIAL_IDS, SPECIALS, UNK, until_eos
 
 MODEL_TYPES = ("unigram", "bpe")
 MODEL_FILE = "sentencepiece.model"  # the name `save` writes the model under in a run directory
@@ -196,14 +196,7 @@ class SentencePieceTokenizer:
 
     def decode_tgt(self, ids: Iterable[int]) -> str:
         """Up to the first </s>; specials and <unk> are dropped (as the BPE tokenizer drops them)."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if i == EOS:
-                break
-            if i >= len(SPECIALS):
-                out.append(i)
-        return self.sp.decode(out)
+        return self.sp.decode(until_eos(ids, SPECIAL_IDS))
 
     decode_src = decode_tgt
 

@@ -13,7 +13,7 @@ import base64
 import re
 from typing import Dict, Iterable, List, Sequence
 
-from transformer.specials import EOS, SPECIALS, UNK
+from transformer.specials import SPECIAL_IDS, SPECIALS, UNK, until_eos
 
 NAME = "sentencepiece_pair"
 SIDES = ("src", "tgt")
@@ -94,13 +94,7 @@ class SentencePiecePairTokenizer:
     def _decode(self, ids: Iterable[int], side: str) -> str:
         """Up to the first </s>, specials and <unk> dropped; the pieces joined by the side's model, as
         MarianTokenizer.decode(skip_special_tokens=True) joins them."""
-        pieces = []
-        for i in ids:
-            i = int(i)
-            if i == EOS:
-                break
-            if i >= len(SPECIALS):
-                pieces.append(self.pieces[i])
+        pieces = [self.pieces[i] for i in until_eos(ids, SPECIAL_IDS)]
         return self.sp[side].decode_pieces(pieces).replace("\u2581", " ").strip()
 
     def decode_tgt(self, ids: Iterable[int]) -> str:

@@ -13,8 +13,9 @@ from typing import Iterable, List, Optional, Sequence
 import numpy as np
 
 from transformer.atomic import write_text_atomic
-from transformer.data.batch import BOS, EOS, PAD, SPECIALS, UNK
+from transformer.data.batch import BOS, PAD, SPECIALS, UNK
 from transformer.data.encode import spacy_tokenize, spacy_tokenizer
+from transformer.specials import until_eos
 
 # Detokeniser flags of a spaCy vocabulary entry (see SpacyTokenizer).
 NO_SPACE_BEFORE, NO_SPACE_AFTER = 1, 2
@@ -23,14 +24,7 @@ QUOTE = '"'  # ambiguous: opening or closing, decided by parity within the sente
 
 def _strip_specials(ids: Iterable[int]) -> List[int]:
     """Ids up to the first </s>, without <pad> and <s> (the decoder's output may contain either)."""
-    out = []
-    for i in ids:
-        i = int(i)
-        if i == EOS:
-            break
-        if i not in (PAD, BOS):
-            out.append(i)
-    return out
+    return until_eos(ids, (PAD, BOS))
 
 
 class Vocab:
