@@ -46,29 +46,42 @@ SWITCH_SETS = {
     "unpadded": ("trainer.unpadded_attention=true", "model.dropout=0.0"),
     "compile": ("trainer.compile=true",),
     "loss=reference": ("trainer.loss=reference",),  # the log_softmax loss the fused one replaces
+    "loss=compiled": ("trainer.loss=compiled",),  # the log_softmax form through torch.compile (Triton kernels)
     "fp8": ("trainer.precision=fp8",),  # float8 Linear products (torchao; sm_89+), bf16 elsewhere
     "compile+fp8": ("trainer.compile=true", "trainer.precision=fp8"),  # torchao's casts fused by the compiler
     # every switch that removes work or launches at once (compile + CUDA graphs: never run together yet)
-    "all": ("trainer.compile=true", "trainer.bf16_residual=true", "trainer.cuda_graphs=true"),
+    "all": ("trainer.compile=true", "trainer.bf16_residual=true", "trainer.cuda_graphs=true",
+            "trainer.loss=compiled"),
 }
+# CUDA graphs capture each new static shape (a few steps' time): more warm-up keeps captures out of the timing.
+for _name, _set in SWITCH_SETS.items():
+    if "trainer.cuda_graphs=true" in _set:
+        SWITCH_SETS[_name] = (*_set, "bench.warmup=40")
 # trainer.micro_batch=fit: the WMT14 recipes' 8-GPU update on one GPU (1 x 8 x 3,300 tokens), as 8 micro-batches
 # (fixed) and as the largest micro-batch the GPU holds (fit); fewer steps: a step of 8 micro-batches is long.
 FIT_SETS = {"acc8": ("trainer.accumulate=8", "trainer.micro_batch=fixed"),
             "acc8+fit": ("trainer.accumulate=8", "trainer.micro_batch=fit")}
 FIT_SETS = {k: (*v, "bench.steps=30", "bench.repeats=2", "bench.warmup=5") for k, v in FIT_SETS.items()}
 SWITCH_SETS.update(FIT_SETS)
-# What runs, most telling first (past --budget-s the rest is skipped): the main workloads eager; the switch sets
-# most likely to move MFU at 16k (big then base, set by set); the recipe's update on one GPU fixed and fitted; the
-# other switch sets at 16k; the remaining workloads eager; then every switch set at the recipes' sizes.
-FIRST = ("compile+bf16_residual", "cuda_graphs", "compile", "fp8", "compile+fp8", "all")
-PLAN = ([(w, "eager") for w in ("big@16k", "base@16k", "big@recipe", "multi30k")]
+# What runs, most telling first (past --budget-s the rest is skipped). HEAD, before the GPU test tier: big and
+# base at 16k eager and with CUDA graphs, experiment=multi30k's batches the same (issue 48's busy-GPU target).
+# Then, after the tier: the switch sets most likely to move MFU at 16k (big then base, set by set); the recipe's
+# update on one GPU fixed and fitted; the other switch sets at 16k; the remaining workloads eager; then every
+# switch set at the recipes' sizes.
+HEAD = [(w, s) for w in ("big@16k", "base@16k", "multi30k") for s in ("eager", "cuda_graphs")]
+FIRST = ("compile+bf16_residual", "loss=compiled", "compile", "fp8", "compile+fp8", "all")
+PLAN = (HEAD + [(w, "eager") for w in ("big@recipe",)]
         + [(w, s) for s in FIRST for w in ("big@16k", "base@16k")]
         + [("big@recipe", s) for s in FIT_SETS]
         + [(w, s) for s in SWITCH_SETS if s != "eager" and s not in FIT_SETS for w in ("big@16k", "base@16k")]
         + [(w, "eager") for w in ("base@recipe", "big@32k")]
         + [(w, s) for w in ("big@recipe", "base@recipe") for s in SWITCH_SETS if s != "eager"])
 PLAN = list(dict.fromkeys(PLAN))  # each run once, at its first place
-COMMON = ("bench.synthetic=true", "bench.warmup=10", "trainer.progress=false")  # bench.steps: 100 on a GPU
+# 3 timed windows of 40 steps (issue 48: at least 100 steps, and the spread of repeats), after 10 warm-up steps
+COMMON = ("bench.synthetic=true", "bench.warmup=10", "bench.steps=40", "trainer.progress=false")
+# The GPU test tier, the files of the newest GPU code first: what a short lease must check before the rest.
+TIER_FIRST = ("test_graphs.py", "test_varlen.py", "test_loss_optim.py", "test_residual.py", "test_microbatch.py",
+              "test_fp8.py", "test_gpu.py")
 # --dry-run: the same plan on a CPU, shrunk to seconds a run (compilation, minutes on a CPU, is skipped).
 DRY = ("model=tiny", "model.N=1", "bench.sentences=300", "bench.vocab_size=300", "bench.max_len=30",
        "data.max_tokens=400", "bench.warmup=0", "bench.steps=1", "bench.repeats=1", "bench.profile_steps=1",
@@ -126,7 +139,9 @@ def missing_keys(overrides, keys: set) -> list:
 
 def run_tests(out: Path, log: Path, timeout: float, dry: bool) -> int:
     t0 = time.time()
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs"]
+    files = [f"tests/{name}" for name in TIER_FIRST if (REPO / "tests" / name).is_file()]
+    files += sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").glob("test_*.py") if f.name not in TIER_FIRST)
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs", *files]
     try:
         res = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
         code, text = res.returncode, res.stdout + res.stderr
@@ -168,6 +183,25 @@ def run_bench(workload: str, switches: str, overrides: list, out: Path, log: Pat
     return record
 
 
+def run_loss(out: Path, log: Path, dry: bool) -> str:
+    """benchmarks/bench_loss.py at big@16k's generator (16,384 rows, 32,000 types, d_model 1,024, bf16): the fused,
+    compiled and reference losses, forward and backward. Returns its output."""
+    size = ["--rows", "512", "--vocab", "300", "--repeats", "2", "--device", "cpu"] if dry else \
+        ["--rows", "16384", "--vocab", "32000", "--d-model", "1024", "--dtype", "bf16", "--repeats", "10"]
+    t0 = time.time()
+    try:
+        res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_loss.py"), *size], cwd=REPO,
+                             env=env(), capture_output=True, text=True, timeout=120)
+        code, text = res.returncode, res.stdout if res.returncode == 0 else res.stdout + res.stderr[-2000:]
+    except subprocess.TimeoutExpired:
+        code, text = 124, "bench_loss.py timed out after 120 s"
+    with open(log, "a") as f:
+        f.write(f"--- bench_loss.py {' '.join(size)}\n{text}\n")
+    print(f"loss ({time.time() - t0:.0f} s):\n{text}", flush=True)
+    append(out, {"kind": "loss", "args": size, "returncode": code, "output": text})
+    return text
+
+
 def run_decode(out: Path, checkpoint) -> None:
     # A trained checkpoint decodes until </s> (its tokenizer travels in the file); the random model needs spaCy.
     args = [str(checkpoint), "--stop-at-eos"] if checkpoint else ["--skip-slow"]
@@ -185,9 +219,10 @@ def _pct(v) -> str:
     return f"{100 * v:.1f}%" if v is not None else "n/a"
 
 
-def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "base@16k")) -> str:
-    """The summary for the performance document: one row per run, then the top kernels of the eager runs
-    named in `top_of` (or of the first profiled run)."""
+def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "base@16k"),
+             loss_text: str = "") -> str:
+    """The summary for the performance document: one row per run, the loss benchmark's lines, then the top
+    kernels of the eager runs named in `top_of` (or of the first profiled run)."""
     lines = [f"**{header['device']}**, {header['date']}, torch {header['torch']} (CUDA {header['cuda']}), commit "
              f"{header['commit']}; synthetic batches; MFU on real tokens (computed FLOPs, padding included, in "
              f"brackets); tok/s: all repeats' mean (median, min-max of the repeats)", "",
@@ -205,6 +240,8 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
             f"{syncs} ({r['flag_waits_per_step']:.2f}) | {r['peak_mem_gb']:.1f} |")
     for s in skipped:
         lines.append(f"| {s['workload']} | {s['switches']} | | | {s['why']} | | | | | | |")
+    if loss_text:
+        lines += ["", "```", loss_text.strip(), "```"]
     profiled = [r for r in records if r.get("top_ops")]
     chosen = [r for name in top_of for r in profiled if r["workload"] == name and r["switches"] == "eager"]
     for r in chosen or profiled[:1]:
@@ -267,24 +304,34 @@ def main(argv=None) -> int:
               "commit": commit(), "dry_run": args.dry_run}
     append(args.out, header)
     os.environ["BENCH_COMMIT"] = header["commit"]  # transformer-bench's records name it too (no .git on a copy)
-    code = 0
-    if not args.skip_tests:
-        code = run_tests(args.out, log, timeout=min(240.0, args.budget_s / 2), dry=args.dry_run)
-        code = 0 if args.dry_run and code == 5 else code
     todo, skipped = plan(args, config_keys())
     records = []
-    for i, (workload, name, overrides) in enumerate(todo):
+
+    def run_all(entries) -> None:
+        for i, (workload, name, overrides) in enumerate(entries):
+            left = args.budget_s - (time.time() - start)
+            if left < 30:
+                for w, n, _ in entries[i:]:
+                    skipped.append({"workload": w, "switches": n, "why": "over the time budget"})
+                    append(args.out, {"kind": "bench", "workload": w, "switches": n,
+                                      "skipped": "over the time budget"})
+                return
+            r = run_bench(workload, name, overrides, args.out, log, timeout=left)
+            if r is not None:
+                records.append(r)
+            else:
+                skipped.append({"workload": workload, "switches": name, "why": "failed (see the log)"})
+
+    head = [entry for entry in todo if (entry[0], entry[1]) in HEAD]
+    run_all(head)
+    loss_text = run_loss(args.out, log, dry=args.dry_run)
+    code = 0
+    if not args.skip_tests:  # the tier gets what is left of half the budget, at least 150 s
         left = args.budget_s - (time.time() - start)
-        if left < 30:
-            for w, n, _ in todo[i:]:
-                skipped.append({"workload": w, "switches": n, "why": "over the time budget"})
-                append(args.out, {"kind": "bench", "workload": w, "switches": n, "skipped": "over the time budget"})
-            break
-        r = run_bench(workload, name, overrides, args.out, log, timeout=left)
-        if r is not None:
-            records.append(r)
-        else:
-            skipped.append({"workload": workload, "switches": name, "why": "failed (see the log)"})
+        code = run_tests(args.out, log, timeout=max(150.0, min(240.0, args.budget_s / 2, left - 30)),
+                         dry=args.dry_run)
+        code = 0 if args.dry_run and code == 5 else code
+    run_all([entry for entry in todo if entry not in head])
     multi30k = Path(os.environ.get("MULTI30K_DIR") or REPO.parent / "shared" / "data" / "multi30k")
     if args.dry_run:
         pass
@@ -292,7 +339,7 @@ def main(argv=None) -> int:
         run_decode(args.out, args.decode_checkpoint)
     else:
         print(f"decoding: skipped (no Multi30k in {multi30k}, set MULTI30K_DIR, or no time left)")
-    summary = markdown(header, records, skipped)
+    summary = markdown(header, records, skipped, loss_text=loss_text)
     args.out.with_suffix(".md").write_text(summary + "\n")
     print("\n" + summary)
     print(f"\nresults: {args.out}, {args.out.with_suffix('.md')}, log {log} ({time.time() - start:.0f} s)")

@@ -1,9 +1,11 @@
 """Forward + backward time of the label-smoothed cross-entropy (transformer/training/loss.py) on (rows, vocab)
 logits: the fused function (its gradient in a new tensor, or written into the logits as the trainer asks), the
-log_softmax reference, and optionally another version of loss.py (`--other PATH`, e.g. main's) for a
-before/after comparison. Median and spread of `--repeats` timings, one line each.
+log_softmax reference, the same through torch.compile (trainer.loss=compiled), and optionally another version
+of loss.py (`--other PATH`, e.g. main's) for a before/after comparison. Median and spread of `--repeats`
+timings, one line each.
 
     python benchmarks/bench_loss.py --rows 2048 --vocab 4249 --dtype bf16 [--threads 1] [--other /path/to/loss.py]
+    python benchmarks/bench_loss.py --rows 16384 --vocab 32000 --d-model 1024 --dtype bf16   # big@16k on a GPU
 """
 import argparse
 import importlib.util
@@ -47,6 +49,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=4249)
+    p.add_argument("--d-model", type=int, default=256, help="the generator's input width")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -58,12 +61,13 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.manual_seed(0)
-    hidden = torch.randn(args.rows, 256, device=device, dtype=dtype)
-    weight = (torch.randn(args.vocab, 256, device=device) / 16).to(dtype)
+    hidden = torch.randn(args.rows, args.d_model, device=device, dtype=dtype)
+    weight = (torch.randn(args.vocab, args.d_model, device=device) / args.d_model ** 0.5).to(dtype)
     target = torch.randint(4, args.vocab, (args.rows,), device=device)
     target[::7] = 0  # some padding
     fns = {"fused": lambda x, t: label_smoothed_cross_entropy(x, t, 0.1, 0),
            "fused_inplace": lambda x, t: label_smoothed_cross_entropy(x, t, 0.1, 0, inplace=True),
+           "compiled": lambda x, t: label_smoothed_cross_entropy(x, t, 0.1, 0, impl="compiled"),
            "reference": lambda x, t: label_smoothed_cross_entropy(x, t, 0.1, 0, impl="reference")}
     if args.other:
         other = load_other(args.other)

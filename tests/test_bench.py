@@ -249,6 +249,8 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
             ("big@16k", "compile+fp8"), ("big@16k", "cuda_graphs"), ("base@16k", "cuda_graphs"),
             ("base@16k", "static_shapes"), ("big@recipe", "acc8+fit")} <= runs
     order = [(w, s) for w, s, _ in todo]
+    assert order[:len(bench_gpu.HEAD)] == bench_gpu.HEAD  # before the GPU tier: eager and CUDA graphs
+    assert ("multi30k", "cuda_graphs") in order[:6] and ("big@16k", "loss=compiled") in runs
     assert order.index(("big@16k", "compile+fp8")) < 16  # fp8 against bf16 at big@16k comes early
     assert order.index(("base@16k", "cuda_graphs")) < order.index(("big@16k", "loss=reference"))  # set by set
     assert {(s["workload"], s["switches"]) for s in skipped} == {("big@16k", "wishful"), ("base@16k", "wishful")}
@@ -277,7 +279,7 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     benches = [r for r in records if r["kind"] == "bench"]
     assert {(r["workload"], r["switches"]) for r in benches} == {
         (w, s) for w in ("base@recipe", "base@16k")
-        for s in ("eager", "loss=reference", "bf16_residual", "unpadded", "static_shapes")
+        for s in ("eager", "loss=reference", "loss=compiled", "bf16_residual", "unpadded", "static_shapes")
     } | {("base@recipe", "acc8"), ("base@recipe", "acc8+fit")}
     assert all(r["model"]["N"] == 1 and r["steps"] == 1 and r["top_ops"] for r in benches)
     assert all(r["commit"] == records[0]["commit"] for r in benches)
@@ -286,3 +288,6 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     plan = load_benchmark("bench_gpu").PLAN
     assert md.count("| base@") == len([w for w, _ in plan if w.startswith("base@")])  # a row each, run or skipped
     assert "Top " in md and "ops by self CPU time" in md and md.strip() in res.stdout
+    loss = [r for r in records if r["kind"] == "loss"]  # the loss benchmark: fused, compiled, reference
+    assert len(loss) == 1 and loss[0]["returncode"] == 0 and "compiled" in loss[0]["output"]
+    assert loss[0]["output"].strip() in md

@@ -124,8 +124,41 @@ def test_loss_implementations_agree_and_a_bad_name_fails():
     fused = label_smoothed_cross_entropy(logits, target, 0.1, 0)
     ref = label_smoothed_cross_entropy(logits, target, 0.1, 0, impl="reference")
     torch.testing.assert_close(fused, ref, rtol=1e-6, atol=0)
-    with pytest.raises(ValueError, match="trainer.loss='chunky': must be one of fused, reference"):
+    with pytest.raises(ValueError, match="trainer.loss='chunky': must be one of fused, compiled, reference"):
         label_smoothed_cross_entropy(logits, target, 0.1, 0, impl="chunky")
+
+
+def _loss_and_grad(impl, logits, target):
+    x = logits.detach().requires_grad_()
+    h = x * 1  # a non-leaf, as the model's logits are (the fused loss then writes its gradient in place)
+    loss, nll = label_smoothed_cross_entropy(h, target, 0.1, 0, impl=impl, inplace=True)
+    loss.backward()
+    return loss.detach(), nll.detach(), x.grad
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_loss_equals_the_reference_and_compiles_once_for_every_row_count(dtype):
+    """trainer.loss=compiled: the log_softmax form through torch.compile (rows dynamic) gives the reference's
+    loss, NLL and gradient, pads included, and batches of other row counts reuse its graph."""
+    from transformer.training import speedups
+
+    torch.manual_seed(0)
+    graphs = None
+    for rows in (37, 64, 101):
+        logits = (3 * torch.randn(rows, 211)).to(dtype)
+        target = torch.randint(1, 211, (rows,))
+        target[::5] = 0  # pad positions
+        ref = _loss_and_grad("reference", logits, target)
+        got = _loss_and_grad("compiled", logits, target)
+        tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
+        torch.testing.assert_close(got[0], ref[0], rtol=1e-5, atol=0)
+        torch.testing.assert_close(got[1], ref[1], rtol=1e-5, atol=0)
+        torch.testing.assert_close(got[2], ref[2], **tol)
+        assert got[2][::5].abs().max() == 0  # no gradient at pads
+        if graphs is None:
+            graphs = speedups.compiled_graphs()
+    assert speedups.compiled_graphs() == graphs  # 64 and 101 rows ran the graph compiled for 37
 
 
 def test_chunked_loss_passes_gradcheck(monkeypatch):
@@ -205,3 +238,18 @@ def test_fall_steps_count_the_time_left_in_epochs_not_in_the_pace_of_steps_so_fa
     # Epochs ahead with another budget count their own batches: 0.5 of epoch 3, then 2/3 of 60 in epoch 4.
     assert fall_steps(0.25, 3, 50, 1, lambda e: 100 if e <= 3 else 60) == 90
     assert fall_steps(0.5, 0, 5, 1, lambda e: 8) == 5  # (the distributed test's case: epochs of 8 batches)
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_and_fused_losses_agree_at_a_training_size():
+    """On a GPU, bf16 logits of a 16k-token batch's quarter over a 32k vocabulary: the compiled loss (Triton
+    kernels from the compiler) and the fused one give the same loss and gradient."""
+    torch.manual_seed(0)
+    logits = (4 * torch.randn(4096, 32000, device="cuda")).bfloat16()
+    target = torch.randint(1, 32000, (4096,), device="cuda")
+    target[::9] = 0
+    fused = _loss_and_grad("fused", logits, target)
+    compiled = _loss_and_grad("compiled", logits, target)
+    torch.testing.assert_close(compiled[0], fused[0], rtol=1e-4, atol=0)
+    torch.testing.assert_close(compiled[1], fused[1], rtol=1e-4, atol=0)
+    torch.testing.assert_close(compiled[2].float(), fused[2].float(), rtol=2e-2, atol=1e-6)

@@ -92,7 +92,9 @@ class TrainerConfig:
     activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory
     ddp_bucket_mb: int = 25  # DDP gradient bucket size
     ddp_static_graph: bool = False  # DDP static_graph=True (the same parameters get gradients every step)
-    loss: str = "fused"  # fused (chunked, one fp32 chunk per pass, gradient written into the logits) | reference
+    # fused (chunked, one fp32 chunk per pass, gradient written into the logits) | compiled (log_softmax form,
+    # torch.compile) | reference (log_softmax and autograd)
+    loss: str = "fused"
     bf16_residual: bool = False  # under bf16 autocast: residual stream in bf16, LayerNorm statistics in fp32
     unpadded_attention: bool = False  # training forward on the real tokens only, packed, variable-length attention
     # fixed: data.max_tokens and trainer.accumulate as given. fit: on a CUDA GPU, before the first step, the largest
@@ -287,7 +289,8 @@ def check_trainer(t) -> None:
     _check(t.devices == "auto" or (t.devices.isdigit() and int(t.devices) > 0), "trainer.devices", t.devices,
            "must be auto or a positive number")
     _check(t.accelerator in ("auto", "cpu", "gpu"), "trainer.accelerator", t.accelerator, "must be auto, cpu or gpu")
-    _check(t.loss in ("fused", "reference"), "trainer.loss", t.loss, "must be one of fused, reference")
+    _check(t.loss in ("fused", "compiled", "reference"), "trainer.loss", t.loss,
+           "must be one of fused, compiled, reference")
     _check(t.micro_batch in ("fixed", "fit"), "trainer.micro_batch", t.micro_batch, "must be fixed or fit")
     _check(0 <= t.micro_batch_margin < 1, "trainer.micro_batch_margin", t.micro_batch_margin, "must be in [0, 1)")
     _check(0 <= t.micro_batch_tolerance < 1, "trainer.micro_batch_tolerance", t.micro_batch_tolerance,

@@ -18,12 +18,19 @@ d loss / d x_j = p_j - eps / (V - 1) - (1 - eps - eps / (V - 1)) [j = target],
 computed in fp32 in the buffer and stored into a gradient tensor of the logits' dtype, or (`inplace=True`,
 the trainer's call) into the logits' own storage, which nothing reads after the loss: no second
 vocabulary-sized tensor for the gradient.
+
+`impl="compiled"` (trainer.loss=compiled) hands the log_softmax form to torch.compile instead, with the number
+of rows dynamic: the compiler writes its own reduction kernels (on GPUs, Triton: each row's maximum and
+log-sum-exp read from the bf16 logits in a pass or two) and a backward that saves only the logits and two
+numbers a row, as above, but writes the gradient into a new tensor. On the 2-core CPU it is slower than the
+hand-written chunks (docs/performance.md); on GPUs, where each chunk's dozen kernels each read or write the
+whole fp32 chunk, `make bench-gpu` compares the two.
 """
 
 import torch
 import torch.nn.functional as F
 
-IMPLEMENTATIONS = ("fused", "reference")  # trainer.loss
+IMPLEMENTATIONS = ("fused", "compiled", "reference")  # trainer.loss
 
 
 def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, epsilon: float, pad_id: int,
@@ -32,7 +39,8 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
 
     Summed, not averaged: the trainer divides by the token count of the whole optimiser step
     (all micro-batches, all ranks), so every token weighs the same whatever the batch split.
-    `impl`: "fused" (the chunked autograd function) or "reference" (log_softmax and autograd, fp32).
+    `impl`: "fused" (the chunked autograd function), "compiled" (the reference through torch.compile) or
+    "reference" (log_softmax and autograd, fp32).
     `inplace`: the backward pass overwrites the logits with their gradient (for logits that nothing reads
     after the loss; ignored for a leaf tensor, whose values are the caller's).
     Compiled graphs use `reference_label_smoothed_cross_entropy`, which the compiler fuses itself.
@@ -41,8 +49,19 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
         raise ValueError(f"trainer.loss={impl!r}: must be one of {', '.join(IMPLEMENTATIONS)}")
     if impl == "reference" or torch.compiler.is_compiling():
         return reference_label_smoothed_cross_entropy(logits, target, epsilon, pad_id)
+    if impl == "compiled":
+        return _compiled()(logits, target, epsilon, pad_id)
     inplace = inplace and logits.grad_fn is not None
     return _FusedLoss.apply(logits, target, epsilon, pad_id, rows_per_chunk(logits), inplace)
+
+
+_COMPILED = []  # the compiled reference, made at its first use (compiling costs seconds; most runs never ask)
+
+
+def _compiled():
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(reference_label_smoothed_cross_entropy, dynamic=True))
+    return _COMPILED[0]
 
 
 def rows_per_chunk(logits: torch.Tensor) -> int:
