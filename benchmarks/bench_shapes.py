@@ -1,6 +1,7 @@
 """Static batch shapes (trainer.static_shapes) on a real training split: prints, asserts nothing.
 
     python benchmarks/bench_shapes.py [experiment=multi30k] [data.root=DIR] [--budgets 512,1024,2048,4096,16384]
+    python benchmarks/bench_shapes.py --synthetic 200000 --budgets 3300,16384   # transformer-bench's lengths
 
 For each token budget, one epoch as the sampler plans it, without and with static shapes: batches, distinct
 (rows, source, target) shapes the model would see, and the share of the computed source+target positions that
@@ -13,10 +14,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import numpy as np  # noqa: E402
+
 from tests.helpers.cli import compose_cfg  # noqa: E402
 from transformer.data import build_data  # noqa: E402
 from transformer.data.sampler import TokenBatchSampler  # noqa: E402
 from transformer.data.shapes import static_shape  # noqa: E402
+from transformer.data.synthetic import synthetic_lengths  # noqa: E402
 from transformer.dist import DistEnv  # noqa: E402
 
 
@@ -24,12 +28,19 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", default=["experiment=multi30k"])
     p.add_argument("--budgets", default="512,1024,2048,4096,16384")
+    p.add_argument("--synthetic", type=int, metavar="N",
+                   help="N pairs of transformer-bench's synthetic lengths (bench.length_mean, ...) instead of data")
     args = p.parse_args(argv)
     cfg = compose_cfg(*args.overrides, "trainer.accelerator=cpu")
-    data = build_data(cfg, DistEnv(), None, None)
-    src, tgt = data.train.src_sizes, data.train.tgt_sizes
+    if args.synthetic:
+        src, tgt = synthetic_lengths(args.synthetic, cfg.bench, np.random.default_rng(cfg.seed))
+        name = f"synthetic lengths (mean {cfg.bench.length_mean}, std {cfg.bench.length_std})"
+    else:
+        data = build_data(cfg, DistEnv(), None, None)
+        src, tgt = data.train.src_sizes, data.train.tgt_sizes
+        name = " ".join(args.overrides)
     real = int(src.sum() + tgt.sum())
-    print(f"{' '.join(args.overrides)}: {len(src)} pairs, {real} source+target tokens (specials included)")
+    print(f"{name}: {len(src)} pairs, {real} source+target tokens (specials included)")
     print("| max_tokens | batches plain / static | distinct shapes plain / static | padding share plain / static |")
     print("|---|---|---|---|")
     for budget in (int(b) for b in args.budgets.split(",")):

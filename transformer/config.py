@@ -104,7 +104,7 @@ class TrainerConfig:
     micro_batch_margin: float = 0.1  # fit: share of the GPU's memory left free above the probe's peak
     micro_batch_tolerance: float = 0.01  # fit: largest relative change of the tokens per update, else refused
     # Training micro-batches padded to a few fixed (rows, source, target) shapes (transformer/data/shapes.py):
-    # lengths on a ladder of multiples of 8 in steps of 1.5 and 4/3, rows from data.max_tokens; padding rows carry
+    # lengths on a ladder (multiples of 4 to 32, then 4 steps an octave), rows from data.max_tokens; padding rows carry
     # no loss. Few shapes for torch.compile and CUDA graphs, at the cost of padding (transformer-bench reports it).
     static_shapes: bool = False
     # CUDA: each static shape's forward+backward and the update replayed as CUDA graphs, the gradient all-reduce

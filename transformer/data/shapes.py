@@ -2,8 +2,11 @@
 (rows, source length, target length) shapes, so torch.compile and CUDA graphs see a handful of shapes
 instead of one per batch.
 
-Lengths come from one fixed geometric ladder of multiples of 8 (8, 16, 24, 32, 48, 64, 96, 128, 192, ...:
-steps of 1.5 and 4/3), so a length over 16 is padded by at most half of itself. The sampler packs a batch by its
+Lengths come from one fixed ladder: multiples of 4 up to 32, then four steps an octave (40, 48, 56, 64, 80, 96,
+112, 128, 160, ...), so a length is padded by at most 3 positions up to 32 and by less than a quarter of itself
+above. A coarser ladder (8, 16, 24, 32, 48, 64, 96, ...) gave half the shapes but twice the padding
+(docs/performance.md); lengths need not be multiples of 8, since the matrix products' inner sizes are d_model
+and d_ff, and the attention kernels pad internally. The sampler packs a batch by its
 examples' ladder lengths (`shape_length(max(source, target))`), so a batch of length L holds at most
 `rows(L, budget)` = budget // L sentences, and padded to that many rows it still costs at most the token
 budget: the memory the user sized data.max_tokens for. Rows added to reach the fixed row count are dummy
@@ -17,17 +20,16 @@ import torch.nn.functional as F
 
 from transformer.specials import EOS, PAD
 
-SMALLEST = 8
+FINE = 32  # up to here, multiples of 4
 
 
 def shape_length(n: int) -> int:
-    """The smallest ladder length >= n: 8, 16, then 2^k and 1.5 * 2^k (24, 32, 48, 64, 96, ...)."""
-    if n <= SMALLEST:
-        return SMALLEST
-    if n <= 16:
-        return 16
-    power = 1 << (int(n) - 1).bit_length()  # the smallest power of two >= n
-    return power * 3 // 4 if n <= power * 3 // 4 else power
+    """The smallest ladder length >= n: 4, 8, ..., 32, then multiples of an eighth of the power of two >= n
+    (40, 48, 56, 64, 80, 96, 112, 128, 160, ...)."""
+    if n <= FINE:
+        return max(4, -(-int(n) // 4) * 4)
+    step = (1 << (int(n) - 1).bit_length()) // 8  # the power of two >= n, over 8
+    return -(-int(n) // step) * step
 
 
 def rows(length: int, budget: int, max_sentences: Optional[int] = None) -> int:
