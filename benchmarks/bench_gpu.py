@@ -44,6 +44,7 @@ SWITCH_SETS = {
     "bf16_residual": ("trainer.bf16_residual=true",),  # the residual stream in bf16, eager
     # packed real tokens; torch's varlen kernel has no dropout, so P_drop 0 (flash-attn would keep it)
     "unpadded": ("trainer.unpadded_attention=true", "model.dropout=0.0"),
+    "compile+unpadded": ("trainer.compile=true", "trainer.unpadded_attention=true", "model.dropout=0.0"),
     "compile": ("trainer.compile=true",),
     "loss=reference": ("trainer.loss=reference",),  # the log_softmax loss the fused one replaces
     "loss=compiled": ("trainer.loss=compiled",),  # the log_softmax form through torch.compile (Triton kernels)

@@ -199,6 +199,16 @@ def test_bench_compiled_model_uses_one_graph_for_all_batch_shapes(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_compiled_unpadded_model_stops_recompiling_after_warm_up(tmp_path):
+    """torch.compile with unpadded attention: the packings' token and sentence counts vary too, and padding to
+    a multiple of 8 changes one side or both; no branch on those sizes, so after at most one recompilation
+    (the sizes made dynamic) no batch compiles a graph. Before the fix: a recompilation every few steps."""
+    r = record(bench(tmp_path, *TINY, "model.d_model=32", "model.d_ff=64", "model.h=2", "trainer.compile=true",
+                     "trainer.unpadded_attention=true", "model.dropout=0.0", "bench.warmup=4", "bench.steps=4"))
+    assert r["compile"] is True and r["graphs"] <= 2 and r["graphs_during_timed"] == 0
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_bench_under_torchrun_reports_the_whole_job(tmp_path):
     """Two gloo workers: tokens/s summed over both, the statistics all-reduce timed, one report (rank 0)."""
@@ -261,7 +271,7 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     todo, skipped = bench_gpu.plan(args, keys)
     assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
     assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual", "fp8", "compile+fp8",
-                                                "cuda_graphs", "all"}
+                                                "cuda_graphs", "all", "compile+unpadded"}
 
 
 @pytest.mark.slow

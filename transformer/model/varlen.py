@@ -42,13 +42,16 @@ class Packing(NamedTuple):
     def fit(self, B: int, T: int) -> "Packing":
         """This packing for the batch padded further to (B, T) (trainer.pad_to_multiple, static shapes): the
         same real tokens, their flat positions recomputed on the device, without a host sync."""
-        if (B, T) == (self.B, self.T):
+        compiling = torch.compiler.is_compiling()
+        if not compiling and (B, T) == (self.B, self.T):
             return self
         if B < self.B or T < self.T:
             raise ValueError(f"a packing of a ({self.B}, {self.T}) batch cannot describe a ({B}, {T}) one")
-        index = self.index if T == self.T else self.index // self.T * T + self.index % self.T
+        # Under torch.compile the same arithmetic whatever the sizes: a branch on them would be a guard, and a
+        # recompilation for each combination of padded and unpadded sides.
+        index = self.index if not compiling and T == self.T else self.index // self.T * T + self.index % self.T
         lengths, cu = self.lengths, self.cu_seqlens
-        if B > self.B:  # rows of padding only: empty sentences at the end
+        if compiling or B > self.B:  # rows of padding only: empty sentences at the end
             lengths = torch.cat([lengths, lengths.new_zeros(B - self.B)])
             cu = torch.cat([cu, cu[-1:].expand(B - self.B)])
         return Packing(index, cu, lengths, self.max_len, B, T)

@@ -125,6 +125,9 @@ def prepare_batch(batch: Batch, multiple: int, dynamic: bool, shape: Optional[tu
         for t in (src, tgt_in):
             torch._dynamo.maybe_mark_dynamic(t, 0)
             torch._dynamo.maybe_mark_dynamic(t, 1)
+        for packing in batch.packings or ():  # unpadded attention: token and sentence counts vary too
+            for t in (packing.index, packing.cu_seqlens, packing.lengths):
+                torch._dynamo.maybe_mark_dynamic(t, 0)
     return Batch(src, tgt_in, tgt_out, batch.ids, batch.n_tokens, batch.packings)
 
 
