@@ -199,6 +199,16 @@ def test_bench_compiled_model_uses_one_graph_for_all_batch_shapes(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_compiled_model_uses_one_graph_for_all_static_shapes(tmp_path):
+    """trainer.static_shapes under torch.compile (as with CUDA graphs): the ladder's shapes run through one
+    compiled graph from the start (unmarked, the second shape compiled the model a second time)."""
+    r = record(bench(tmp_path, *TINY, "model.d_model=32", "model.d_ff=64", "model.h=2", "trainer.compile=true",
+                     "trainer.static_shapes=true", "bench.warmup=4", "bench.steps=4"))
+    assert r["static_shapes"] is True and r["shapes"] >= 4  # several static shapes were run
+    assert r["graphs"] == 1 and r["graphs_during_timed"] == 0
+
+
+@pytest.mark.slow
 def test_bench_compiled_unpadded_model_stops_recompiling_after_warm_up(tmp_path):
     """torch.compile with unpadded attention: the packings' token and sentence counts vary too, and padding to
     a multiple of 8 changes one side or both; no branch on those sizes, so after at most one recompilation
