@@ -133,7 +133,7 @@ def graph_safe_trainer(tmp_path, *overrides, env=None, rank=0, world_size=1):
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
     parallel = parallelize(model, compose_cfg(*SMALL, *FP32, "trainer.static_shapes=true", *overrides), DistEnv())
     t = Trainer(cfg, env, parallel, data, build_task(cfg), tmp_path)
-    assert t.graphs is not None and not t.graphs.capture and t.net is t.model
+    assert t.graphs is not None and not t.graphs.capture and (t.net is t.model) != cfg.trainer.compile
     assert t.optimizer.param_groups[0]["capturable"] and torch.is_tensor(t.optimizer.param_groups[0]["lr"])
     return t
 
@@ -142,6 +142,18 @@ def graph_safe_pair(tmp_path, *overrides):
     """An ordinary trainer (static shapes) and a graph-safe one run eagerly, from the same weights."""
     plain = make_trainer(tmp_path / "plain", *FP32, "trainer.static_shapes=true", *overrides)
     return plain, graph_safe_trainer(tmp_path / "g", *overrides)
+
+
+@pytest.mark.slow
+def test_the_graph_safe_step_composes_with_compile_and_the_compiled_loss(tmp_path):
+    """make bench-gpu's `all` set on a CPU, without capture: the compiled model and the compiled loss inside
+    the graph-safe step give the ordinary compiled step's statistics and gradient norms."""
+    plain, graphed = graph_safe_pair(tmp_path, "trainer.compile=true", "trainer.loss=compiled",
+                                     "trainer.accumulate=2", "trainer.clip_norm=0.5", "model.dropout=0.0")
+    steps = ragged_steps(3, 2)
+    for ra, rb in zip(run(plain, steps), run(graphed, steps), strict=True):
+        torch.testing.assert_close(rb.stats, ra.stats, rtol=1e-5, atol=0)
+        torch.testing.assert_close(rb.grad_norm, ra.grad_norm, rtol=1e-4, atol=0)
 
 
 def ragged_steps(n_steps, k, seed=3):
