@@ -62,6 +62,30 @@ def test_trainer_switch(tmp_path):
     assert not make_trainer(tmp_path / "off").model.unpadded_attention
 
 
+@pytest.mark.parametrize("windowed", [True, False])
+def test_torchs_varlen_kernel_is_called_as_its_release_expects(monkeypatch, windowed):
+    """torch 2.10's varlen_attn takes is_causal; later releases (the lent GPU machines' 2.11) window_size."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    from transformer.model import varlen
+    assert varlen.WINDOWED == ("window_size" in inspect.signature(varlen_attn).parameters)  # this torch's
+    calls = []
+
+    def fake(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        calls.append(kwargs)
+        return q
+    monkeypatch.setattr(varlen, "torch_varlen_attn", fake)
+    monkeypatch.setattr(varlen, "WINDOWED", windowed)
+    p = varlen.Packing(torch.arange(3), torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3]), 3, 1, 3)
+    q = torch.zeros(3, 2, 4)
+    for causal in (True, False):
+        assert varlen._torch_varlen(q, q, q, p, p, causal) is q
+    assert calls == ([{"window_size": (-1, 0)}, {"window_size": (-1, -1)}] if windowed
+                     else [{"is_causal": True}, {"is_causal": False}])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_cuda_varlen_kernel_equals_padded(dropout):

@@ -13,6 +13,7 @@ attention takes a `VarlenMask` (the packing of its queries and of its keys) and 
     (SDPA with the key mask, or the CPU dropout path), then packed again. It is what CPUs run, and the
     equality of outputs and gradients with the padded model is what the tests check.
 """
+import inspect
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -22,6 +23,11 @@ try:  # optional: pip install flash-attn (CUDA builds only)
     from flash_attn import flash_attn_varlen_func
 except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_varlen_func = None
+try:  # torch >= 2.10; torch 2.10's takes `is_causal`, later releases a sliding `window_size` instead
+    from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
+    WINDOWED = "window_size" in inspect.signature(torch_varlen_attn).parameters
+except ImportError:
+    torch_varlen_attn, WINDOWED = None, False
 
 
 class Packing(NamedTuple):
@@ -106,11 +112,14 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Va
     if q.is_cuda and flash_attn_varlen_func is not None:
         return flash_attn_varlen_func(q, k, v, qp.cu_seqlens, kp.cu_seqlens, qp.max_len, kp.max_len,
                                       dropout_p=dropout_p, causal=is_causal)
-    if q.is_cuda and dropout_p == 0:
-        from torch.nn.attention.varlen import varlen_attn
-        return varlen_attn(q, k, v, qp.cu_seqlens, kp.cu_seqlens, qp.max_len, kp.max_len,
-                           window_size=(-1, 0) if is_causal else (-1, -1))
+    if q.is_cuda and dropout_p == 0 and torch_varlen_attn is not None:
+        return _torch_varlen(q, k, v, qp, kp, is_causal)
     return _reference(q, k, v, qp, kp, is_causal, dropout_p, padded_attention)
+
+
+def _torch_varlen(q, k, v, qp: Packing, kp: Packing, is_causal: bool) -> torch.Tensor:
+    causal = {"window_size": (-1, 0) if is_causal else (-1, -1)} if WINDOWED else {"is_causal": is_causal}
+    return torch_varlen_attn(q, k, v, qp.cu_seqlens, kp.cu_seqlens, qp.max_len, kp.max_len, **causal)
 
 
 def _reference(q, k, v, qp: Packing, kp: Packing, is_causal: bool, dropout_p: float, padded_attention):
