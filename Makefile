@@ -6,7 +6,8 @@ PYTEST := $(BIN)/python -m pytest
 # CPU machines pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
 CONSTRAINTS ?= constraints-cpu.txt
 
-.PHONY: install train test test-slow test-docker test-slurm test-gpu gpu-wheels bench-gpu bench-gpu-dry test-all clean
+.PHONY: install train test test-slow test-docker test-slurm test-gpu gpu-wheels bench-gpu bench-gpu-dry gpu-data \
+	train-gpu-multi30k fp8-curve-gpu test-all clean
 
 install: $(VENV)/.installed
 
@@ -48,10 +49,30 @@ GPU_WHEELS ?= antlr4-python3-runtime==4.9.3 hydra-core==1.3.8 omegaconf==2.3.1 t
 gpu-wheels: install  ## the wheels bench-gpu needs on a bare GPU machine, into .whl/
 	rm -rf .whl && $(BIN)/python -m pip wheel --no-deps -q -w .whl $(GPU_WHEELS)
 
+GPU_SITE = if [ -d .whl ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+	  --upgrade --target /tmp/site .whl/*.whl; fi; PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH}
+
 bench-gpu:  ## GPU tier and GPU benchmarks, under 8 minutes
-	if [ -d .whl ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-	  --upgrade --target /tmp/site .whl/*.whl; fi
-	PYTHONPATH=/tmp/site$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) benchmarks/bench_gpu.py --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(GPU_SITE) $(GPU_PYTHON) benchmarks/bench_gpu.py --out $(BENCH_OUT) $(BENCH_ARGS)
+
+# Issue 48's Multi30k target on a lent GPU: `make gpu-data` here (Multi30k's raw files into data/multi30k, which
+# git ignores), carry .whl and data, then `make train-gpu-multi30k GPU_RUN=$$OUT/multi30k`: the recipe with CUDA
+# graphs; its last line gives the minutes to validation BLEU 38, its logged lines gpu_util. The run (and its
+# checkpoints) stays in GPU_TMP on the machine; train.log and metrics.jsonl are copied to GPU_RUN.
+MULTI30K_DIR ?= ../shared/data/multi30k
+GPU_RUN ?= outputs/gpu-multi30k
+GPU_TMP ?= /tmp/gpu-multi30k
+GPU_TRAIN_ARGS ?= trainer.cuda_graphs=true trainer.max_minutes=2.5 seed=1234
+fp8-curve-gpu:  ## on a GPU machine (sm_89+, .whl): 1,000 steps of bf16 and fp8, the loss curves compared
+	$(GPU_SITE) $(GPU_PYTHON) benchmarks/loss_curves.py --device cuda --steps 1000 --variants bf16,fp8
+
+gpu-data:  ## Multi30k's raw files into data/multi30k, to carry to a GPU machine
+	mkdir -p data/multi30k && cp $(MULTI30K_DIR)/*.gz data/multi30k/
+
+train-gpu-multi30k:  ## experiment=multi30k on a GPU machine with CUDA graphs (data/multi30k, .whl)
+	$(GPU_SITE) $(GPU_PYTHON) -m transformer.train experiment=multi30k data.root=data/multi30k \
+	  hydra.run.dir=$(GPU_TMP) trainer.progress=false $(GPU_TRAIN_ARGS); rc=$$?; \
+	  mkdir -p $(GPU_RUN) && cp $(GPU_TMP)/train.log $(GPU_TMP)/metrics.jsonl $(GPU_RUN)/; exit $$rc
 
 bench-gpu-dry: install  ## bench-gpu's plumbing on a CPU, every run shrunk
 	$(BIN)/python benchmarks/bench_gpu.py --dry-run --out outputs/bench-gpu-dry.jsonl
