@@ -167,12 +167,15 @@ def run(t, steps):
     return [t._train_step(m, window, flag)[0] for m in steps]
 
 
-def test_the_graph_safe_step_run_eagerly_equals_the_ordinary_step(tmp_path):
+@pytest.mark.parametrize("model", [(), ("model.tie_embeddings=all", "model.norm_first=false")],
+                         ids=["default", "multi30k_model"])
+def test_the_graph_safe_step_run_eagerly_equals_the_ordinary_step(tmp_path, model):
     """accumulate=2 with ragged micro-batches, dropout on, clipping on, over 5 steps: the same statistics, gradient
     norms, learning rates, weights and Adam moments (fp32; the only differences are the rate's float32
-    tensor and the token count summed on the device)."""
+    tensor and the token count summed on the device). Also with experiment=multi30k's model options: all three
+    embeddings tied (one parameter, one gradient buffer) and post-norm."""
     plain, graphed = graph_safe_pair(tmp_path, "trainer.accumulate=2", "trainer.clip_norm=0.5",
-                                     "optim.warmup=2", "optim.factor=0.1")
+                                     "optim.warmup=2", "optim.factor=0.1", *model)
     steps = ragged_steps(5, 2)
     torch.manual_seed(7)
     a = run(plain, steps)
