@@ -55,6 +55,9 @@ GPU_SITE = if [ -d .whl ]; then $(GPU_PYTHON) -m pip install -q --no-index --no-
 bench-gpu:  ## GPU tier and GPU benchmarks, under 8 minutes
 	$(GPU_SITE) $(GPU_PYTHON) benchmarks/bench_gpu.py --out $(BENCH_OUT) $(BENCH_ARGS)
 
+fp8-curve-gpu:  ## on a GPU machine (sm_89+, .whl): 1,000 steps of bf16 and fp8, the loss curves compared
+	$(GPU_SITE) $(GPU_PYTHON) benchmarks/loss_curves.py --device cuda --steps 1000 --variants bf16,fp8
+
 # Issue 48's Multi30k target on a lent GPU: `make gpu-data` here (Multi30k's raw files into data/multi30k, which
 # git ignores), carry .whl and data, then `make train-gpu-multi30k GPU_RUN=$$OUT/multi30k`: the recipe with CUDA
 # graphs; its last line gives the minutes to validation BLEU 38, its logged lines gpu_util. The run (and its
@@ -63,9 +66,6 @@ MULTI30K_DIR ?= ../shared/data/multi30k
 GPU_RUN ?= outputs/gpu-multi30k
 GPU_TMP ?= /tmp/gpu-multi30k
 GPU_TRAIN_ARGS ?= trainer.cuda_graphs=true trainer.max_minutes=2.5 seed=1234
-fp8-curve-gpu:  ## on a GPU machine (sm_89+, .whl): 1,000 steps of bf16 and fp8, the loss curves compared
-	$(GPU_SITE) $(GPU_PYTHON) benchmarks/loss_curves.py --device cuda --steps 1000 --variants bf16,fp8
-
 gpu-data:  ## Multi30k's raw files into data/multi30k, to carry to a GPU machine
 	mkdir -p data/multi30k && cp $(MULTI30K_DIR)/*.gz data/multi30k/
 

@@ -55,9 +55,7 @@ SWITCH_SETS = {
             "trainer.loss=compiled"),
 }
 # CUDA graphs capture each new static shape (a few steps' time): more warm-up keeps captures out of the timing.
-for _name, _set in SWITCH_SETS.items():
-    if "trainer.cuda_graphs=true" in _set:
-        SWITCH_SETS[_name] = (*_set, "bench.warmup=60")
+SWITCH_SETS = {k: (*v, "bench.warmup=60") if "trainer.cuda_graphs=true" in v else v for k, v in SWITCH_SETS.items()}
 # trainer.micro_batch=fit: the WMT14 recipes' 8-GPU update on one GPU (1 x 8 x 3,300 tokens), as 8 micro-batches
 # (fixed) and as the largest micro-batch the GPU holds (fit); fewer steps: a step of 8 micro-batches is long.
 FIT_SETS = {"acc8": ("trainer.accumulate=8", "trainer.micro_batch=fixed"),

@@ -55,6 +55,9 @@ class OptimConfig:
     anneal: float = 0.0  # the run's last fraction (of max_steps, or of max_minutes): the rate falls linearly to 0
 
 
+LOSSES = ("fused", "compiled", "reference")  # trainer.loss: transformer/training/loss.py
+
+
 @dataclass
 class TrainerConfig:
     """The training loop: its length, batches per step, devices, precision, resume and speed switches."""
@@ -289,8 +292,7 @@ def check_trainer(t) -> None:
     _check(t.devices == "auto" or (t.devices.isdigit() and int(t.devices) > 0), "trainer.devices", t.devices,
            "must be auto or a positive number")
     _check(t.accelerator in ("auto", "cpu", "gpu"), "trainer.accelerator", t.accelerator, "must be auto, cpu or gpu")
-    _check(t.loss in ("fused", "compiled", "reference"), "trainer.loss", t.loss,
-           "must be one of fused, compiled, reference")
+    _check(t.loss in LOSSES, "trainer.loss", t.loss, f"must be one of {', '.join(LOSSES)}")
     _check(t.micro_batch in ("fixed", "fit"), "trainer.micro_batch", t.micro_batch, "must be fixed or fit")
     _check(0 <= t.micro_batch_margin < 1, "trainer.micro_batch_margin", t.micro_batch_margin, "must be in [0, 1)")
     _check(0 <= t.micro_batch_tolerance < 1, "trainer.micro_batch_tolerance", t.micro_batch_tolerance,

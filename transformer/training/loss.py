@@ -27,10 +27,12 @@ hand-written chunks (docs/performance.md); on GPUs, where each chunk's dozen ker
 whole fp32 chunk, `make bench-gpu` compares the two.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
-IMPLEMENTATIONS = ("fused", "compiled", "reference")  # trainer.loss
+from transformer.config import LOSSES as IMPLEMENTATIONS  # trainer.loss
 
 
 def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, epsilon: float, pad_id: int,
@@ -55,13 +57,10 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
     return _FusedLoss.apply(logits, target, epsilon, pad_id, rows_per_chunk(logits), inplace)
 
 
-_COMPILED = []  # the compiled reference, made at its first use (compiling costs seconds; most runs never ask)
-
-
+@functools.cache
 def _compiled():
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(reference_label_smoothed_cross_entropy, dynamic=True))
-    return _COMPILED[0]
+    """The compiled reference, made at its first use (compiling costs seconds; most runs never ask)."""
+    return torch.compile(reference_label_smoothed_cross_entropy, dynamic=True)
 
 
 def rows_per_chunk(logits: torch.Tensor) -> int:

@@ -117,27 +117,20 @@ def prepare_batch(batch: Batch, multiple: int, dynamic: bool, shape: Optional[tu
     padded to it instead, lengths and rows, and still marked dynamic under torch.compile: one compilation
     for the ladder's tens of shapes (CUDA graphs capture each), where the second shape would otherwise
     compile the model again (Dynamo's automatic dynamic shapes), a minute of a GPU lease for big."""
-    src, tgt_in, tgt_out = batch.src, batch.tgt_in, batch.tgt_out
-    if shape is not None:
+    src, tgt_in, tgt_out, packings = batch.src, batch.tgt_in, batch.tgt_out, batch.packings
+    if shape is not None:  # (trainer.static_shapes refuses unpadded attention: no packings here)
         src, tgt_in, tgt_out = pad_to_shape(src, tgt_in, tgt_out, shape)
-        _mark_dynamic(dynamic, src, tgt_in)
-        return Batch(src, tgt_in, tgt_out, batch.ids, batch.n_tokens)
-    if multiple > 1:
+    elif multiple > 1:
         src = _pad_to(src, multiple)
         tgt_in, tgt_out = _pad_to(tgt_in, multiple), _pad_to(tgt_out, multiple)
-    _mark_dynamic(dynamic, src, tgt_in)
     if dynamic:
-        for packing in batch.packings or ():  # unpadded attention: token and sentence counts vary too
+        for t in (src, tgt_in):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+        for packing in packings or ():  # unpadded attention: token and sentence counts vary too
             for t in (packing.index, packing.cu_seqlens, packing.lengths):
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-    return Batch(src, tgt_in, tgt_out, batch.ids, batch.n_tokens, batch.packings)
-
-
-def _mark_dynamic(dynamic: bool, *tensors: torch.Tensor) -> None:
-    """Rows and lengths dynamic for torch.compile: one graph for every batch shape."""
-    for t in tensors if dynamic else ():
-        torch._dynamo.maybe_mark_dynamic(t, 0)
-        torch._dynamo.maybe_mark_dynamic(t, 1)
+    return Batch(src, tgt_in, tgt_out, batch.ids, batch.n_tokens, packings)
 
 
 def _pad_to(x: torch.Tensor, multiple: int) -> torch.Tensor:
