@@ -1,12 +1,14 @@
-"""`make bench-gpu`: the prepared script for a short GPU lease (one H100/H200, under 8 minutes). It runs the GPU
-test tier, then transformer-bench on synthetic batches for each (workload, switch set) of PLAN, most important
-first, within a time budget (what does not fit is recorded as skipped), then decoding speed when Multi30k is
-at hand. Every record goes, one JSON object a line, to --out; a Markdown summary (device, date, torch, CUDA,
+"""`make bench-gpu`: the prepared script for a short GPU lease (one H100/H200, under 8 minutes). It runs
+transformer-bench on synthetic batches for each (workload, switch set) of PLAN, most important first, within a
+time budget (what does not fit is recorded as skipped): HEAD's runs, then the loss benchmark, then the GPU test
+tier (alone with --tests-only: a lease's second call), then the rest; then decoding speed when Multi30k is at
+hand. Every record goes, one JSON object a line, to --out; a Markdown summary (device, date, torch, CUDA,
 commit; one row per run; the top kernels of the profiled runs) goes beside it (--out with .md) and to stdout.
 Uses the interpreter it runs under: a machine's own CUDA torch, with this package importable from the
 repository (no install, no download).
 
-    python benchmarks/bench_gpu.py --out outputs/bench-gpu.jsonl [--skip-tests] [--only big] [--budget-s 450]
+    python benchmarks/bench_gpu.py --out outputs/bench-gpu.jsonl [--skip-tests | --tests-only] [--only big]
+        [--budget-s 450]
         [--switch name=key=value,key=value ...] [--decode-checkpoint RUN/checkpoints/best.pt]
     python benchmarks/bench_gpu.py --dry-run --out /tmp/dry.jsonl   # the plumbing on a CPU, everything shrunk
 
@@ -35,7 +37,7 @@ WORKLOADS = {
     "big@16k": ("model=big", "data.max_tokens=16384"),
     "big@32k": ("model=big", "data.max_tokens=32768"),
 }
-# Switch sets: name -> overrides. "eager" is the baseline (the defaults: bf16 autocast, the fused loss).
+# Switch sets: name -> overrides. "eager" is the baseline (the defaults: bf16 autocast, trainer.loss=auto).
 SWITCH_SETS = {
     "eager": (),
     "cuda_graphs": ("trainer.cuda_graphs=true",),  # static shapes, each step replayed as CUDA graphs
@@ -46,8 +48,10 @@ SWITCH_SETS = {
     "unpadded": ("trainer.unpadded_attention=true", "model.dropout=0.0"),
     "compile+unpadded": ("trainer.compile=true", "trainer.unpadded_attention=true", "model.dropout=0.0"),
     "compile": ("trainer.compile=true",),
+    # compile pads lengths to a multiple of 8 (transformer-bench's waste_pad_multiple): what dropping that buys
+    "compile+pad1": ("trainer.compile=true", "trainer.pad_to_multiple=1"),
     "loss=reference": ("trainer.loss=reference",),  # the log_softmax loss the fused one replaces
-    "loss=compiled": ("trainer.loss=compiled",),  # the log_softmax form through torch.compile (Triton kernels)
+    "loss=fused": ("trainer.loss=fused",),  # the hand-written chunked loss (trainer.loss=auto takes compiled on GPUs)
     "fp8": ("trainer.precision=fp8",),  # float8 Linear products (torchao; sm_89+), bf16 elsewhere
     "compile+fp8": ("trainer.compile=true", "trainer.precision=fp8"),  # torchao's casts fused by the compiler
     # every switch that removes work or launches at once (compile + CUDA graphs: never run together yet)
@@ -63,17 +67,17 @@ FIT_SETS = {"acc8": ("trainer.accumulate=8", "trainer.micro_batch=fixed"),
 FIT_SETS = {k: (*v, "bench.steps=30", "bench.repeats=2", "bench.warmup=5") for k, v in FIT_SETS.items()}
 SWITCH_SETS.update(FIT_SETS)
 # What runs, most telling first (past --budget-s the rest is skipped). HEAD, before the GPU test tier: big and
-# base at 16k eager and with CUDA graphs, experiment=multi30k's batches the same (issue 48's busy-GPU target).
-# Then, after the tier: the switch sets most likely to move MFU at 16k (big then base, set by set); the recipe's
-# update on one GPU fixed and fitted; the other switch sets at 16k; the remaining workloads eager; then every
-# switch set at the recipes' sizes.
-HEAD = [(w, s) for w in ("big@16k", "base@16k", "multi30k") for s in ("eager", "cuda_graphs")]
-FIRST = ("compile+bf16_residual", "loss=compiled", "compile", "fp8", "compile+fp8", "all")
-PLAN = (HEAD + [(w, "eager") for w in ("big@recipe",)]
-        + [(w, s) for s in FIRST for w in ("big@16k", "base@16k")]
+# base at 16k with the defaults (the baseline each lease measures again) and with every switch at once (`all`,
+# not yet timed to the end: docs/performance.md). Then, after the tier: the switch sets not yet measured (fp8,
+# compile+fp8, compile alone); the recipe's update on one GPU fixed and fitted; Multi30k's batches; the sets
+# measured before, again; the remaining workloads eager; then every switch set at the recipes' sizes.
+HEAD = [(w, s) for s in ("eager", "all") for w in ("big@16k", "base@16k")]
+FIRST = ("fp8", "compile+fp8", "compile", "compile+pad1", "compile+bf16_residual", "loss=fused", "cuda_graphs")
+PLAN = (HEAD + [(w, s) for s in FIRST for w in ("big@16k", "base@16k")]
         + [("big@recipe", s) for s in FIT_SETS]
+        + [(w, s) for w in ("multi30k",) for s in ("eager", "cuda_graphs", "all")]
         + [(w, s) for s in SWITCH_SETS if s != "eager" and s not in FIT_SETS for w in ("big@16k", "base@16k")]
-        + [(w, "eager") for w in ("base@recipe", "big@32k")]
+        + [(w, "eager") for w in ("big@recipe", "base@recipe", "big@32k")]
         + [(w, s) for w in ("big@recipe", "base@recipe") for s in SWITCH_SETS if s != "eager"])
 PLAN = list(dict.fromkeys(PLAN))  # each run once, at its first place
 # 3 timed windows of 40 steps (issue 48: at least 100 steps, and the spread of repeats), after 10 warm-up steps
@@ -137,23 +141,39 @@ def missing_keys(overrides, keys: set) -> list:
 
 
 def run_tests(out: Path, log: Path, timeout: float, dry: bool) -> int:
+    """The GPU tier, newest GPU code first. Each test's outcome is written as it ends (tests/conftest.py's
+    TRANSFORMER_TEST_LOG), so a tier cut short by `timeout` still reports what passed, what failed and why; with
+    pytest-timeout (the lent machines have it) no single test may take more than a third of the tier."""
     t0 = time.time()
     files = [f"tests/{name}" for name in TIER_FIRST if (REPO / "tests" / name).is_file()]
     files += sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").glob("test_*.py") if f.name not in TIER_FIRST)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs", *files]
+    per_test = ["--timeout", str(int(max(60.0, timeout / 3)))] if importlib.util.find_spec("pytest_timeout") else []
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs", *per_test, *files]
+    report = out.with_suffix(".tests.jsonl")
+    report.unlink(missing_ok=True)
     try:
-        res = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(cmd, cwd=REPO, env={**env(), "TRANSFORMER_TEST_LOG": str(report)}, capture_output=True,
+                             text=True, timeout=timeout)
         code, text = res.returncode, res.stdout + res.stderr
     except subprocess.TimeoutExpired as e:
         code, text = 124, f"{e.stdout or ''}\ntimed out after {timeout:.0f} s"
+    results = [json.loads(x) for x in report.read_text().splitlines()] if report.is_file() else []
+    counts = {}
+    for r in results:
+        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    failed = [r for r in results if r["outcome"] == "failed"]
+    summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no test ended"
+    if code == 124:
+        summary += f"; timed out after {timeout:.0f} s"
     with open(log, "a") as f:
         f.write(f"--- pytest -m gpu\n{text}\n")
-    lines = [x for x in text.strip().splitlines() if x.strip()]
-    summary = lines[-1] if lines else "(no output)"
+        f.writelines(f"--- FAILED {r['test']}\n{r['error']}\n" for r in failed)
     print(f"gpu tier: {summary} ({time.time() - t0:.0f} s)", flush=True)
+    for r in failed:
+        print(f"  FAILED {r['test']}: {r['error'].strip().splitlines()[-1][:300]}", flush=True)
     # No CUDA here (a dry run): the tier skips every test, pytest's code 5 when all are deselected or skipped.
     append(out, {"kind": "gpu_tests", "returncode": code, "summary": summary, "seconds": round(time.time() - t0, 1),
-                 "dry_run": dry})
+                 "tests": results, "dry_run": dry})
     return code
 
 
@@ -225,14 +245,14 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
     lines = [f"**{header['device']}**, {header['date']}, torch {header['torch']} (CUDA {header['cuda']}), commit "
              f"{header['commit']}; synthetic batches; MFU on real tokens (computed FLOPs, padding included, in "
              f"brackets); tok/s: all repeats' mean (median, min-max of the repeats)", "",
-             "| workload | switches | max_tokens | compute | target tok/s | step ms | MFU real (computed) | "
+             "| workload | switches | max_tokens | compute / loss | target tok/s | step ms | MFU real (computed) | "
              "waste pad / pad-to-multiple | GPU busy | syncs/step (flag waits) | peak GiB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         sp = r["tgt_tokens_per_s_spread"]
         syncs = "n/a" if r["host_syncs_per_step"] is None else f"{r['host_syncs_per_step']:.2f}"
         lines.append(
-            f"| {r['workload']} | {r['switches']} | {r['max_tokens']} | {r['compute']} | "
+            f"| {r['workload']} | {r['switches']} | {r['max_tokens']} | {r['compute']} / {r.get('loss', '?')} | "
             f"{r['tgt_tokens_per_s']:,.0f} ({sp['median']:,.0f}, {sp['min']:,.0f}-{sp['max']:,.0f}) | "
             f"{r['step_ms']:.1f} | {_pct(r['mfu'])} ({_pct(r['mfu_computed'])}) | "
             f"{_pct(r['waste_padding'])} / {_pct(r['waste_pad_multiple'])} | {_pct(r['busy'])} | "
@@ -284,6 +304,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=REPO / "outputs" / f"bench-gpu-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--tests-only", action="store_true", help="the GPU tier alone, given the whole budget")
     p.add_argument("--only", choices=["base", "big", "multi30k"], help="workloads of one model only")
     p.add_argument("--budget-s", type=float, default=450.0, help="stop starting runs after this many seconds")
     p.add_argument("--switch", action="append", help="an extra switch set, name=key=value,key=value (16k runs)")
@@ -303,6 +324,9 @@ def main(argv=None) -> int:
               "commit": commit(), "dry_run": args.dry_run}
     append(args.out, header)
     os.environ["BENCH_COMMIT"] = header["commit"]  # transformer-bench's records name it too (no .git on a copy)
+    if args.tests_only:  # a second call of a lease: the tier alone
+        code = run_tests(args.out, log, timeout=args.budget_s, dry=args.dry_run)
+        return 0 if args.dry_run and code == 5 else code
     todo, skipped = plan(args, config_keys())
     records = []
 

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from tests.helpers.cli import compose_cfg
+from tests.helpers.report import pytest_runtest_logreport  # noqa: F401 (a hook: TRANSFORMER_TEST_LOG)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

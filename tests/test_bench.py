@@ -95,6 +95,33 @@ def test_bench_at_a_recipe_micro_batch_with_loader_workers(tmp_path):
     assert r["tgt_tokens_per_s"] * r["wall_s"] > 1000  # timed at the recipe's size, not a ramp's
 
 
+def test_warm_up_goes_on_until_captures_stop(monkeypatch):
+    """bench.warmup is a minimum under CUDA graphs: a capture at warm-up steps 1, 5 and 20 (the rare shapes come
+    late) keeps it going to step 40, 20 quiet steps later; `limit` caps it; several workers never add steps."""
+    from types import SimpleNamespace
+
+    from transformer.training import bench as bench_module
+
+    trainer = SimpleNamespace(graphs=SimpleNamespace(micro={}), tcfg=SimpleNamespace(compile=False),
+                              env=SimpleNamespace(world_size=1))
+    steps = []
+
+    def one_step(t, batches, n, progress, *rest):
+        steps.append(n)
+        if len(steps) in (1, 5, 20):
+            t.graphs.micro[len(steps)] = "captured"
+
+    monkeypatch.setattr(bench_module, "run_steps", one_step)
+    assert bench_module.settle(trainer, None, limit=200) == 40 and len(trainer.graphs.micro) == 3
+    steps.clear()
+    trainer.graphs.micro.clear()
+    assert bench_module.settle(trainer, None, limit=12) == 12
+    trainer.env.world_size = 2
+    assert bench_module.settle(trainer, None, limit=200) == 0
+    trainer.env.world_size, trainer.graphs = 1, None
+    assert bench_module.settle(trainer, None, limit=200) == 0  # eager: bench.warmup as given
+
+
 def test_padding_waste_is_counted_exactly_on_a_hand_built_batch():
     """Two sentences of (source, target) lengths (3, 2) and (5, 4), padded to (5, 4) and, with
     pad_to_multiple=8, run at (8, 8): useful FLOPs are each sentence's own, the rest is waste of two kinds."""
@@ -269,9 +296,10 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
             ("big@16k", "compile+fp8"), ("big@16k", "cuda_graphs"), ("base@16k", "cuda_graphs"),
             ("base@16k", "static_shapes"), ("big@recipe", "acc8+fit")} <= runs
     order = [(w, s) for w, s, _ in todo]
-    assert order[:len(bench_gpu.HEAD)] == bench_gpu.HEAD  # before the GPU tier: eager and CUDA graphs
-    assert ("multi30k", "cuda_graphs") in order[:6] and ("big@16k", "loss=compiled") in runs
-    assert order.index(("big@16k", "compile+fp8")) < 16  # fp8 against bf16 at big@16k comes early
+    assert order[:len(bench_gpu.HEAD)] == bench_gpu.HEAD  # before the GPU tier: the defaults, and `all`
+    assert order[:4] == [("big@16k", "eager"), ("base@16k", "eager"), ("big@16k", "all"), ("base@16k", "all")]
+    assert ("big@16k", "loss=fused") in runs and ("multi30k", "cuda_graphs") in runs
+    assert order.index(("big@16k", "compile+fp8")) < 8  # the sets never measured come next
     assert order.index(("base@16k", "cuda_graphs")) < order.index(("big@16k", "loss=reference"))  # set by set
     assert {(s["workload"], s["switches"]) for s in skipped} == {("big@16k", "wishful"), ("base@16k", "wishful")}
     assert "model.no_such_switch" in skipped[0]["why"]
@@ -281,7 +309,51 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     todo, skipped = bench_gpu.plan(args, keys)
     assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
     assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual", "fp8", "compile+fp8",
-                                                "cuda_graphs", "all", "compile+unpadded"}
+                                                "cuda_graphs", "all", "compile+unpadded", "compile+pad1"}
+
+
+def test_each_test_reports_its_outcome_as_it_ends(tmp_path):
+    """tests/helpers/report.py: a line per test, a failure with its message, a skip with its setup's report."""
+    (tmp_path / "test_three.py").write_text(
+        "import pytest\n"
+        "def test_ok(): pass\n"
+        "def test_bad(): assert 1 + 1 == 3, 'arithmetic broke'\n"
+        "@pytest.mark.skip(reason='not here')\n"
+        "def test_skipped(): pass\n")
+    log = tmp_path / "tests.jsonl"
+    res = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.helpers.report", "-q", "-p", "no:cacheprovider",
+                          str(tmp_path / "test_three.py")], cwd=Path(__file__).resolve().parents[1],
+                         env={**cli_env(), "TRANSFORMER_TEST_LOG": str(log)}, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = {r["test"].rsplit("::", 1)[-1]: r for r in map(json.loads, log.read_text().splitlines())}
+    assert {k: v["outcome"] for k, v in lines.items()} == {"test_ok": "passed", "test_bad": "failed",
+                                                          "test_skipped": "skipped"}
+    assert "arithmetic broke" in lines["test_bad"]["error"] and "error" not in lines["test_ok"]
+
+
+def test_bench_gpu_tier_cut_short_still_names_its_failures(tmp_path, monkeypatch, capsys):
+    """The lease's clock stops the tier: the tests that ended are counted, each failure printed with its last
+    line, and the record keeps them all."""
+    bench_gpu = load_benchmark("bench_gpu")
+    out = tmp_path / "b.jsonl"
+
+    def tier(cmd, env, timeout, **kw):
+        assert "-m" in cmd and "gpu" in cmd and cmd[-1].startswith("tests/")
+        with open(env["TRANSFORMER_TEST_LOG"], "a") as f:
+            f.write(json.dumps({"test": "tests/test_a.py::test_one", "outcome": "passed"}) + "\n")
+            f.write(json.dumps({"test": "tests/test_a.py::test_two", "outcome": "failed",
+                                "error": "Traceback\nRuntimeError: mat1 dims not divisible by 16"}) + "\n")
+        raise subprocess.TimeoutExpired(cmd, timeout, output="..F")
+
+    monkeypatch.setattr(bench_gpu.subprocess, "run", tier)
+    assert bench_gpu.run_tests(out, tmp_path / "b.log", timeout=10, dry=False) == 124
+    printed = capsys.readouterr().out
+    assert "gpu tier: 1 failed, 1 passed; timed out after 10 s" in printed
+    assert "FAILED tests/test_a.py::test_two: RuntimeError: mat1 dims not divisible by 16" in printed
+    record = json.loads(out.read_text())
+    assert record["kind"] == "gpu_tests" and len(record["tests"]) == 2 and record["returncode"] == 124
+    assert "mat1 dims" in (tmp_path / "b.log").read_text()
 
 
 @pytest.mark.slow
@@ -299,7 +371,7 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     benches = [r for r in records if r["kind"] == "bench"]
     assert {(r["workload"], r["switches"]) for r in benches} == {
         (w, s) for w in ("base@recipe", "base@16k")
-        for s in ("eager", "loss=reference", "loss=compiled", "bf16_residual", "unpadded", "static_shapes")
+        for s in ("eager", "loss=reference", "loss=fused", "bf16_residual", "unpadded", "static_shapes")
     } | {("base@recipe", "acc8"), ("base@recipe", "acc8+fit")}
     assert all(r["model"]["N"] == 1 and r["steps"] == 1 and r["top_ops"] for r in benches)
     assert all(r["commit"] == records[0]["commit"] for r in benches)

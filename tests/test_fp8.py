@@ -145,6 +145,32 @@ def test_fp8_products_are_close_to_the_plain_ones_and_train_every_parameter():
 
 
 @needs_torchao
+def test_fp8_products_take_batches_whose_token_count_is_no_multiple_of_16(monkeypatch):
+    """The real float8 path (not emulation) with a CPU stand-in for the GPU kernel that refuses, as
+    torch._scaled_mm does, an inner dimension that is not a multiple of 16. The weight gradient's inner dimension
+    is the token count: 2 x 7 = 14 here. Zero padding changes no sum: the gradients equal emulation's."""
+    ops = importlib.import_module("torchao.float8.float8_ops")
+    shapes = []
+
+    def scaled_mm(a, a_scale, b, b_scale, output_dtype, output_scale=None, bias=None, use_fast_accum=False):
+        shapes.append((tuple(a.shape), tuple(b.shape)))
+        assert a.shape[1] % 16 == 0 and b.shape[0] % 16 == 0 and b.shape[1] % 16 == 0, (a.shape, b.shape)
+        out = (a.float() / a_scale) @ (b.float() / b_scale)
+        return (out if bias is None else out + bias).to(output_dtype)
+
+    monkeypatch.setattr(ops, "addmm_float8_unwrapped", scaled_mm)
+    src, tgt = torch.randint(4, 40, (2, 9)), torch.randint(4, 40, (2, 7))  # (B, S), (B, T): 18 and 14 tokens
+    grads = []
+    for emulate in (False, True):
+        model = small_model()
+        fp8.convert(model, emulate=emulate)
+        model(src, tgt).logsumexp(-1).sum().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert {a[1] for a, _ in shapes} >= {16, 32}, shapes  # weight gradients: 14 and 18 tokens, padded
+    assert all(torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(*grads, strict=True))
+
+
+@needs_torchao
 def test_the_converted_model_compiles_in_one_graph():
     """trainer.compile over fp8 (the way its casts get fused on a GPU): Dynamo traces the Float8Linears and the
     stacked projections' float8 products without a graph break (aot_eager: the CPU has no float8 kernels)."""

@@ -124,8 +124,40 @@ def test_loss_implementations_agree_and_a_bad_name_fails():
     fused = label_smoothed_cross_entropy(logits, target, 0.1, 0)
     ref = label_smoothed_cross_entropy(logits, target, 0.1, 0, impl="reference")
     torch.testing.assert_close(fused, ref, rtol=1e-6, atol=0)
-    with pytest.raises(ValueError, match="trainer.loss='chunky': must be one of fused, compiled, reference"):
+    with pytest.raises(ValueError, match="trainer.loss='chunky': must be one of auto, fused, compiled, reference"):
         label_smoothed_cross_entropy(logits, target, 0.1, 0, impl="chunky")
+
+
+def test_auto_loss_is_compiled_on_gpus_that_can_compile_and_fused_elsewhere(monkeypatch):
+    """trainer.loss=auto (the default): the compiled loss where a GPU measured it faster, the hand-written one on
+    CPUs, under CUDA graphs and where torch.compile cannot build GPU kernels. Named choices are kept."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(loss_module, "can_compile_for_gpu", lambda: True)
+    assert loss_module.choose("auto", cpu) == "fused"
+    assert loss_module.choose("auto", gpu) == "compiled"
+    assert loss_module.choose("auto", gpu, cuda_graphs=True) == "fused"
+    assert loss_module.choose("fused", gpu) == "fused" and loss_module.choose("compiled", cpu) == "compiled"
+    monkeypatch.setattr(loss_module, "can_compile_for_gpu", lambda: False)
+    assert loss_module.choose("auto", gpu) == "fused"
+
+
+def test_no_c_compiler_means_no_compiled_gpu_loss(monkeypatch):
+    """Triton builds a C launcher for its kernels: a slim image without cc, gcc or clang cannot compile."""
+    can = loss_module.can_compile_for_gpu.__wrapped__
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(loss_module.shutil, "which", lambda name: None)
+    assert can() is False
+    monkeypatch.setenv("CC", "/opt/cc")
+    monkeypatch.setattr("torch.utils._triton.has_triton", lambda: True)
+    assert can() is True
+
+
+def test_auto_loss_runs_as_fused_on_a_cpu():
+    torch.manual_seed(0)
+    logits, target = torch.randn(2, 5, 13), torch.randint(0, 13, (2, 5))
+    auto = label_smoothed_cross_entropy(logits, target, 0.1, 0, impl="auto")
+    torch.testing.assert_close(auto, label_smoothed_cross_entropy(logits, target, 0.1, 0, impl="fused"), rtol=0,
+                               atol=0)
 
 
 def _loss_and_grad(impl, logits, target):
@@ -253,3 +285,5 @@ def test_cuda_compiled_and_fused_losses_agree_at_a_training_size():
     torch.testing.assert_close(compiled[0], fused[0], rtol=1e-4, atol=0)
     torch.testing.assert_close(compiled[1], fused[1], rtol=1e-4, atol=0)
     torch.testing.assert_close(compiled[2].float(), fused[2].float(), rtol=2e-2, atol=1e-6)
+    # trainer.loss=auto takes it on this GPU: Triton and a C compiler are there
+    assert loss_module.choose("auto", logits.device) == "compiled"

@@ -55,7 +55,7 @@ class OptimConfig:
     anneal: float = 0.0  # the run's last fraction (of max_steps, or of max_minutes): the rate falls linearly to 0
 
 
-LOSSES = ("fused", "compiled", "reference")  # trainer.loss: transformer/training/loss.py
+LOSSES = ("auto", "fused", "compiled", "reference")  # trainer.loss: transformer/training/loss.py
 
 
 @dataclass
@@ -96,8 +96,9 @@ class TrainerConfig:
     ddp_bucket_mb: int = 25  # DDP gradient bucket size
     ddp_static_graph: bool = False  # DDP static_graph=True (the same parameters get gradients every step)
     # fused (chunked, one fp32 chunk per pass, gradient written into the logits) | compiled (log_softmax form,
-    # torch.compile) | reference (log_softmax and autograd)
-    loss: str = "fused"
+    # torch.compile) | reference (log_softmax and autograd) | auto: compiled on CUDA GPUs where torch.compile
+    # can build kernels (Triton and a C compiler), except under cuda_graphs; fused elsewhere
+    loss: str = "auto"
     bf16_residual: bool = False  # under bf16 autocast: residual stream in bf16, LayerNorm statistics in fp32
     unpadded_attention: bool = False  # training forward on the real tokens only, packed, variable-length attention
     # fixed: data.max_tokens and trainer.accumulate as given. fit: on a CUDA GPU, before the first step, the largest
@@ -149,7 +150,7 @@ class EvalConfig:
 @dataclass
 class BenchConfig:
     """transformer-bench (transformer/training/bench.py): warm-up, then timed optimiser steps of the training config."""
-    warmup: int = 5  # untimed steps first (allocator, kernels, torch.compile)
+    warmup: int = 5  # untimed steps first; with compile or CUDA graphs more, until 20 in a row add no graph
     steps: Optional[int] = None  # timed optimiser steps per repeat; None: 100 on a GPU, 20 on a CPU
     repeats: int = 3  # timed windows of `steps` each, back to back: their spread (median, min, max) is reported
     synthetic: bool = False  # random batches instead of data.*: lengths below, vocabulary vocab_size

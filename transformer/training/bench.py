@@ -169,6 +169,7 @@ def measure(trainer, b) -> dict:
     progress = Progress(b.warmup + steps * b.repeats, 0, trainer.tcfg.progress)
     t0 = time.perf_counter()
     run_steps(trainer, batches, b.warmup, progress)
+    settled = settle(trainer, batches, limit=max(200, 4 * b.warmup))
     _sync(device)
     warmup_s = time.perf_counter() - t0
     graphs_warm = speedups.compiled_graphs()
@@ -192,13 +193,31 @@ def measure(trainer, b) -> dict:
     if b.profile:
         prof = profile_window(lambda n: run_steps(trainer, batches, n, Progress(None, 0, False)),
                               lambda: _sync(device), device, b.profile_steps, b.top)
-    return {"steps": steps, "windows": windows, "flag_waits": flag.waits, "warmup_s": warmup_s, "phases": phases,
+    return {"steps": steps, "windows": windows, "flag_waits": flag.waits, "warmup_s": warmup_s,
+            "warmup_steps": b.warmup + settled, "phases": phases,
             "profile": prof,
             "graphs": graphs if trainer.tcfg.compile else None,
             "graphs_during_timed": (graphs - graphs_warm) if trainer.tcfg.compile and graphs is not None else None,
             "cuda_graphs_captured": captured(trainer),
             "cuda_graphs_captured_timed": captured(trainer) - captured_warm if trainer.graphs is not None else None,
             "peak_mem_gb": peak_memory_gb(device)}
+
+
+def settle(trainer, batches, limit: int, quiet: int = 20) -> int:
+    """With CUDA graphs or torch.compile, warm-up steps past bench.warmup until `quiet` steps in a row capture
+    and compile nothing (at most `limit`): a capture or a compilation costs many steps' time, and one in the
+    timed steps would count as step time. Returns the steps it added (0 without either, and with several
+    workers, whose batches and so captures differ: their step counts must stay equal)."""
+    if (trainer.graphs is None and not trainer.tcfg.compile) or trainer.env.world_size > 1:
+        return 0
+    added, calm, last = 0, 0, (captured(trainer), speedups.compiled_graphs())
+    quiet_progress = Progress(None, 0, False)
+    while calm < quiet and added < limit:
+        run_steps(trainer, batches, 1, quiet_progress)
+        added += 1
+        now = (captured(trainer), speedups.compiled_graphs())
+        calm, last = (calm + 1 if now == last else 0), now
+    return added
 
 
 def captured(trainer):
@@ -260,12 +279,12 @@ def summarise(trainer, cfg, m: dict) -> dict:
                                              "tgt_vocab_size")},
         "params_m": round(sum(p.numel() for p in trainer.model.parameters()) / 1e6, 2),
         "data": "synthetic" if b.synthetic else cfg.data.name, "max_tokens": trainer.data.train_sampler.max_tokens,
-        "loader_workers": trainer.data.num_workers,
+        "loader_workers": trainer.data.num_workers, "loss": trainer.parallel.loss,
         "accumulate": trainer.accumulate, "compute": compute, "compile": trainer.tcfg.compile,
         "pad_to_multiple": trainer.pad_multiple, "static_shapes": trainer.static_shapes,
         "cuda_graphs": trainer.tcfg.cuda_graphs, "shapes": len(t.shapes),
         "activation_checkpointing": trainer.tcfg.activation_checkpointing,
-        "warmup_steps": b.warmup, "warmup_s": m["warmup_s"], "steps": steps, "repeats": n, "wall_s": wall,
+        "warmup_steps": m["warmup_steps"], "warmup_s": m["warmup_s"], "steps": steps, "repeats": n, "wall_s": wall,
         "tgt_tokens_per_s": tgt / wall, "src_tokens_per_s": src / wall, "sentences_per_s": sents / wall,
         "tgt_tokens_per_s_spread": _spread(per_window),
         "target_padding": 1 - tgt / max(slots, 1), "step_ms": step_ms,

@@ -8,7 +8,8 @@ per tensor at every product. Parameter names, shapes and dtypes are unchanged, s
 checkpoints, EMA and the optimiser see exactly what a bf16 run sees, and a checkpoint moves freely between
 fp8 and bf16/fp32 runs. Kept out: the generator (the output projection over the vocabulary: its logits feed
 the loss, it is tied to the embedding and it scores only the first `n_out` rows of its matrix), and every
-product whose dimensions are not multiples of 16 (float8 GEMMs need them). The stacked projections
+product whose dimensions are not multiples of 16 (float8 GEMMs need them; the token count, the weight
+gradient's inner dimension, is padded to one). The stacked projections
 (transformer/model/projections.py) are no nn.Linear; each gets a Float8Linear over its stacked weight,
 held outside the module tree (`StackedLinear.float8`), and adds its part biases itself.
 """
@@ -77,7 +78,9 @@ def convert(model: nn.Module, emulate: bool = False) -> List[str]:
     the model on its device, before DDP and torch.compile. `emulate`: torchao's emulation (tests on a CPU)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    config = Float8LinearConfig(emulate=emulate)
+    # pad_inner_dim: torch._scaled_mm wants every inner dimension a multiple of 16, and the weight gradient's is
+    # the batch's token count, which varies from batch to batch (torchao's emulation never checks it).
+    config = Float8LinearConfig(emulate=emulate, pad_inner_dim=True)
     names = [n for n, m in model.named_modules() if convertible(m, n)]
     convert_to_float8_training(model, module_filter_fn=convertible, config=config)
     for m in model.modules():

@@ -62,9 +62,9 @@ class GraphStep:
     """
 
     def __init__(self, model: torch.nn.Module, net, optimizer: torch.optim.Optimizer, autocast, tcfg, guard,
-                 env, capture: bool = True):
+                 env, capture: bool = True, loss: str = "fused"):
         self.net, self.optimizer, self.autocast, self.tcfg, self.guard = net, optimizer, autocast, tcfg, guard
-        self.env, self.capture = env, capture
+        self.env, self.capture, self.loss = env, capture, loss  # loss: trainer.loss as parallelize chose it
         self.params = [p for p in model.parameters() if p.requires_grad]
         device = self.params[0].device
         self.device = device
@@ -113,7 +113,7 @@ class GraphStep:
         with self.autocast():
             logits = self.net(src, tgt_in)  # (R, T, V)
         loss, nll = label_smoothed_cross_entropy(logits, tgt_out, self.tcfg.label_smoothing, PAD,
-                                                 impl=self.tcfg.loss, inplace=True)
+                                                 impl=self.loss, inplace=True)
         loss.backward()
         self.loss_sum += loss.detach()
         self.nll_sum += nll.detach()

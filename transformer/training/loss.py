@@ -22,12 +22,14 @@ vocabulary-sized tensor for the gradient.
 `impl="compiled"` (trainer.loss=compiled) hands the log_softmax form to torch.compile instead, with the number
 of rows dynamic: the compiler writes its own reduction kernels (on GPUs, Triton: each row's maximum and
 log-sum-exp read from the bf16 logits in a pass or two) and a backward that saves only the logits and two
-numbers a row, as above, but writes the gradient into a new tensor. On the 2-core CPU it is slower than the
-hand-written chunks (docs/performance.md); on GPUs, where each chunk's dozen kernels each read or write the
-whole fp32 chunk, `make bench-gpu` compares the two.
+numbers a row, as above, but writes the gradient into a new tensor. On GPUs, where each chunk of the fused
+loss is a dozen kernels that each read or write the whole fp32 chunk, it is the faster one; on CPUs the
+hand-written chunks are (docs/performance.md). `choose` picks between them for trainer.loss=auto.
 """
 
 import functools
+import os
+import shutil
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +43,13 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
 
     Summed, not averaged: the trainer divides by the token count of the whole optimiser step
     (all micro-batches, all ranks), so every token weighs the same whatever the batch split.
-    `impl`: "fused" (the chunked autograd function), "compiled" (the reference through torch.compile) or
-    "reference" (log_softmax and autograd, fp32).
+    `impl`: "fused" (the chunked autograd function), "compiled" (the reference through torch.compile),
+    "reference" (log_softmax and autograd, fp32) or "auto" (`choose`; the trainer passes its choice).
     `inplace`: the backward pass overwrites the logits with their gradient (for logits that nothing reads
     after the loss; ignored for a leaf tensor, whose values are the caller's).
     Compiled graphs use `reference_label_smoothed_cross_entropy`, which the compiler fuses itself.
     """
+    impl = choose(impl, logits.device)
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"trainer.loss={impl!r}: must be one of {', '.join(IMPLEMENTATIONS)}")
     if impl == "reference" or torch.compiler.is_compiling():
@@ -55,6 +58,25 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
         return _compiled()(logits, target, epsilon, pad_id)
     inplace = inplace and logits.grad_fn is not None
     return _FusedLoss.apply(logits, target, epsilon, pad_id, rows_per_chunk(logits), inplace)
+
+
+def choose(loss: str, device: torch.device, cuda_graphs: bool = False) -> str:
+    """trainer.loss as run on `device`: "auto" becomes "compiled" on CUDA GPUs where torch.compile can build
+    its kernels, except under trainer.cuda_graphs (its capture with the compiled loss is not yet measured on a
+    GPU), and "fused" elsewhere; any other name is kept."""
+    if loss != "auto":
+        return loss
+    return "compiled" if device.type == "cuda" and not cuda_graphs and can_compile_for_gpu() else "fused"
+
+
+@functools.cache
+def can_compile_for_gpu() -> bool:
+    """Whether torch.compile can make GPU kernels here: Triton for the device, and the C compiler Triton builds
+    its launcher with (slim images lack one)."""
+    from torch.utils._triton import has_triton
+
+    compiler = os.environ.get("CC") or any(shutil.which(c) for c in ("cc", "gcc", "clang"))
+    return bool(compiler) and has_triton()
 
 
 @functools.cache

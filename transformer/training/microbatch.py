@@ -202,7 +202,7 @@ class MemoryProbe:
                 with self.trainer.autocast():
                     logits = self.model(batch.src, batch.tgt_in, packings=batch.packings)  # (B, T, V)
                 loss, _ = label_smoothed_cross_entropy(logits, batch.tgt_out, self.trainer.tcfg.label_smoothing,
-                                                       PAD, impl=self.trainer.tcfg.loss, inplace=True)
+                                                       PAD, impl=self.trainer.parallel.loss, inplace=True)
                 loss.backward()
                 del logits, loss
                 opt.step()

@@ -14,6 +14,7 @@ from transformer.dist import DistEnv
 from transformer.training import fp8, speedups
 from transformer.training.graphs import check_cuda_graphs
 from transformer.training.logs import note, warn
+from transformer.training.loss import choose as choose_loss
 
 
 def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
@@ -42,6 +43,7 @@ class Parallelized:
         amp_dtype: the forward pass's autocast dtype (torch.bfloat16 / torch.float16), None for fp32.
         scaler: the loss scaler, enabled for fp16 only (a no-op otherwise).
         device: the device `model` lives on.
+        loss: the label-smoothed loss the training step runs (trainer.loss, "auto" chosen for the device).
     """
 
     model: torch.nn.Module
@@ -49,6 +51,7 @@ class Parallelized:
     amp_dtype: Optional[torch.dtype]
     scaler: torch.amp.GradScaler
     device: torch.device
+    loss: str = "fused"
 
     def autocast(self) -> ContextManager:
         """The forward pass's autocast context (trainer.precision), the same for training and validation."""
@@ -80,7 +83,7 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
 
     Returns:
         A `Parallelized`: the plain model, the module the training step calls, the autocast dtype, the
-        grad scaler and the device.
+        grad scaler, the device and the loss implementation.
     """
     tcfg = cfg.trainer
     fp8.check(tcfg, env.device)  # a CPU, a GPU before sm_89, no torchao: refused, one line
@@ -106,4 +109,5 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         if tcfg.static_shapes or tcfg.cuda_graphs:  # one specialised graph per static shape, not one dynamic graph
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         net = torch.compile(net)
-    return Parallelized(model, net, amp_dtype, scaler, env.device)
+    loss = choose_loss(tcfg.loss, env.device, tcfg.cuda_graphs)
+    return Parallelized(model, net, amp_dtype, scaler, env.device, loss)

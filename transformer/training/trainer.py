@@ -88,7 +88,8 @@ class Trainer:
         self.guard = NonfiniteGuard(self.tcfg, self.optimizer, self.scaler)  # trainer.nonfinite
         # trainer.cuda_graphs: the step as CUDA graphs; on a CPU (tests only: parallelize refuses it) run eagerly
         self.graphs = GraphStep(self.model, self.net, self.optimizer, self.autocast, self.tcfg, self.guard,
-                                env, capture=env.device.type == "cuda") if self.tcfg.cuda_graphs else None
+                                env, capture=env.device.type == "cuda",
+                                loss=parallel.loss) if self.tcfg.cuda_graphs else None
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -346,7 +347,7 @@ class Trainer:
                 with self.autocast():
                     logits = self.net(batch.src, batch.tgt_in, packings=batch.packings)  # (B, T, V)
                 loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD,
-                                                         impl=self.tcfg.loss, inplace=True)
+                                                         impl=self.parallel.loss, inplace=True)
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
             nll_sum += nll.detach()

@@ -1,0 +1,18 @@
+"""A pytest hook (tests/conftest.py imports it; `-p tests.helpers.report` loads it elsewhere): with
+TRANSFORMER_TEST_LOG=FILE, one JSON line per test as it ends (outcome, seconds, a failure's last lines), so a GPU
+lease whose tier is cut short by its clock still learns which test failed and why (benchmarks/bench_gpu.py)."""
+import json
+import os
+
+
+def pytest_runtest_logreport(report):
+    """A test's line, at its end: its call's report, or its setup's or teardown's where that failed or skipped."""
+    path = os.environ.get("TRANSFORMER_TEST_LOG")
+    if not path or not (report.when == "call" or report.failed or report.skipped):
+        return
+    line = {"test": report.nodeid, "outcome": report.outcome, "when": report.when,
+            "seconds": round(report.duration, 1)}
+    if report.failed:
+        line["error"] = report.longreprtext[-1500:]
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
