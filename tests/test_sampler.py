@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from transformer.data import batch as batch_module
 from transformer.data.batch import BOS, EOS, PAD, PairDataset, Ragged, collate
 from transformer.data.module import DataModule
 from transformer.data.sampler import TokenBatchSampler
@@ -120,6 +121,46 @@ def test_collate_frames_source_and_target():
     assert b.tgt_in.tolist() == [[BOS, 8, PAD, PAD], [BOS, 10, 11, 12]]
     assert b.tgt_out.tolist() == [[8, EOS, PAD, PAD], [10, 11, 12, EOS]]
     assert b.ids.tolist() == [7, 2] and b.n_tokens == 6 and len(b) == 2
+
+
+def test_a_batch_travels_as_one_buffer():
+    """collate's four tensors are views of one buffer: a loader worker sends one shared-memory storage, the
+    pin-memory thread pins it once and `Batch.to` copies it in one transfer; the moved views hold the same
+    values. A batch of separate tensors (padded on the device, built by hand) moves tensor by tensor."""
+    items = [(7, np.array([5, 6, 7], dtype=np.int32), np.array([8], dtype=np.int32)),
+             (2, np.array([9], dtype=np.int32), np.array([10, 11, 12], dtype=np.int32))]
+    b = collate(items)
+    tensors = (b.src, b.tgt_in, b.tgt_out, b.ids)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1
+    copies = []
+
+    def copy(t):  # a stand-in for the move to pinned memory or to a device
+        copies.append(t.numel())
+        return t.clone()
+
+    moved = batch_module._moved(tensors, copy)
+    assert copies == [b.src.numel() + 2 * b.tgt_in.numel() + b.ids.numel()]  # one copy of the whole buffer
+    assert len({t.untyped_storage().data_ptr() for t in moved}) == 1
+    assert moved[0].untyped_storage().data_ptr() != b.src.untyped_storage().data_ptr()
+    assert all(torch.equal(m, t) and m.shape == t.shape for m, t in zip(moved, tensors, strict=True))
+    assert batch_module._moved(tensors, lambda t: t) == list(tensors)  # nothing moved: the same tensors
+    copies.clear()
+    apart = (b.src.clone(), b.tgt_in.clone(), b.tgt_out.clone())
+    assert all(torch.equal(m, t) for m, t in zip(batch_module._moved(apart, copy), apart, strict=True))
+    assert copies == [t.numel() for t in apart]
+    assert b.to(torch.device("cpu")).src is b.src
+
+
+def test_a_loader_worker_hands_over_one_storage_a_batch():
+    rng = np.random.default_rng(0)
+    seqs = Ragged.from_lists([rng.integers(4, 20, rng.integers(1, 12)).tolist() for _ in range(60)])
+    data = PairDataset(seqs, seqs)
+    dm = DataModule(data, data, _Tok(), max_tokens=60, max_sentences=None, seed=0, rank=0, world_size=1,
+                    num_workers=1)
+    batches = list(dm.train_loader(0))
+    assert len(batches) > 3
+    assert all(len({t.untyped_storage().data_ptr() for t in (b.src, b.tgt_in, b.tgt_out, b.ids)}) == 1
+               for b in batches)
 
 
 class _Tok:

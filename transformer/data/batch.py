@@ -96,28 +96,43 @@ class Batch:
     def to(self, device: torch.device) -> "Batch":
         nb = device.type == "cuda"
         packings = None if self.packings is None else tuple(p.to(device, nb) for p in self.packings)
-        return replace(self, src=self.src.to(device, non_blocking=nb), tgt_in=self.tgt_in.to(device, non_blocking=nb),
-                       tgt_out=self.tgt_out.to(device, non_blocking=nb), packings=packings)
+        src, tgt_in, tgt_out = _moved((self.src, self.tgt_in, self.tgt_out), lambda t: t.to(device, non_blocking=nb))
+        return replace(self, src=src, tgt_in=tgt_in, tgt_out=tgt_out, packings=packings)
 
     def pin_memory(self) -> "Batch":
         # Called by the DataLoader's pin-memory thread; CUDA copies then overlap with compute.
         packings = None if self.packings is None else tuple(p.pin_memory() for p in self.packings)
-        return replace(self, src=self.src.pin_memory(), tgt_in=self.tgt_in.pin_memory(),
-                       tgt_out=self.tgt_out.pin_memory(), packings=packings)
+        src, tgt_in, tgt_out, ids = _moved((self.src, self.tgt_in, self.tgt_out, self.ids), torch.Tensor.pin_memory)
+        return replace(self, src=src, tgt_in=tgt_in, tgt_out=tgt_out, ids=ids, packings=packings)
 
     def __len__(self) -> int:
         return self.src.size(0)
 
 
+def _moved(tensors: Sequence[torch.Tensor], move) -> List[torch.Tensor]:
+    """`move` (a pinning, a copy to a device) applied to views of one storage as one move of that storage, the
+    same views taken of the result; to each tensor otherwise. collate's batches are such views: a loader worker
+    hands the main process one shared-memory storage instead of four, which is pinned once and copied to the
+    GPU in one transfer (small batches spend a step's host time on these per-tensor costs)."""
+    storage = tensors[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() or t.dtype != tensors[0].dtype for t in tensors):
+        return [move(t) for t in tensors]
+    flat = move(torch.empty(0, dtype=tensors[0].dtype).set_(storage))
+    if flat.data_ptr() == storage.data_ptr():  # nothing moved (a copy to where it already is)
+        return list(tensors)
+    return [flat.as_strided(t.size(), t.stride(), t.storage_offset()) for t in tensors]
+
+
 def collate(items: List[Tuple[int, np.ndarray, np.ndarray]], packed: bool = False) -> Batch:
-    """CPU tensors only: CUDA tensors made in DataLoader workers would break fork and pinning. `packed`: attach
-    the packings of source and target (`Batch.packings`), computed here from the lengths."""
+    """CPU tensors only: CUDA tensors made in DataLoader workers would break fork and pinning. The four tensors
+    are views of one buffer (`_moved`). `packed`: attach the packings of source and target (`Batch.packings`),
+    computed here from the lengths."""
     B = len(items)
     S = max(len(s) for _, s, _ in items) + 1
     T = max(len(t) for _, _, t in items) + 1
-    src = torch.full((B, S), PAD, dtype=torch.long)
-    tgt_in = torch.full((B, T), PAD, dtype=torch.long)
-    tgt_out = torch.full((B, T), PAD, dtype=torch.long)
+    flat = torch.full((B * (S + 2 * T + 1),), PAD, dtype=torch.long)
+    src, tgt_in, tgt_out, ids = flat.split([B * S, B * T, B * T, B])
+    src, tgt_in, tgt_out = src.view(B, S), tgt_in.view(B, T), tgt_out.view(B, T)
     for b, (_, s, t) in enumerate(items):
         src[b, :len(s)] = torch.from_numpy(s.astype(np.int64))
         src[b, len(s)] = EOS
@@ -125,7 +140,7 @@ def collate(items: List[Tuple[int, np.ndarray, np.ndarray]], packed: bool = Fals
         tgt_in[b, 1:len(t) + 1] = torch.from_numpy(t.astype(np.int64))
         tgt_out[b, :len(t)] = tgt_in[b, 1:len(t) + 1]
         tgt_out[b, len(t)] = EOS
-    ids = torch.tensor([i for i, _, _ in items], dtype=torch.long)
+    ids.copy_(torch.tensor([i for i, _, _ in items], dtype=torch.long))
     packings = None
     if packed:
         src_lens = np.fromiter((len(s) + 1 for _, s, _ in items), dtype=np.int64, count=B)
