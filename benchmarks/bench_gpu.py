@@ -307,6 +307,8 @@ def main(argv=None) -> int:
     p.add_argument("--tests-only", action="store_true", help="the GPU tier alone, given the whole budget")
     p.add_argument("--only", choices=["base", "big", "multi30k"], help="workloads of one model only")
     p.add_argument("--budget-s", type=float, default=450.0, help="stop starting runs after this many seconds")
+    p.add_argument("--run-timeout-s", type=float, default=240.0,
+                   help="the longest one run may take (compile and CUDA graph captures included)")
     p.add_argument("--switch", action="append", help="an extra switch set, name=key=value,key=value (16k runs)")
     p.add_argument("--decode-checkpoint", type=Path, help="time decoding with this trained checkpoint")
     p.add_argument("--dry-run", action="store_true", help="on a CPU, everything shrunk: tests the plumbing")
@@ -339,7 +341,7 @@ def main(argv=None) -> int:
                     append(args.out, {"kind": "bench", "workload": w, "switches": n,
                                       "skipped": "over the time budget"})
                 return
-            r = run_bench(workload, name, overrides, args.out, log, timeout=left)
+            r = run_bench(workload, name, overrides, args.out, log, timeout=min(left, args.run_timeout_s))
             if r is not None:
                 records.append(r)
             else:

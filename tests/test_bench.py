@@ -332,6 +332,22 @@ def test_each_test_reports_its_outcome_as_it_ends(tmp_path):
     assert "arithmetic broke" in lines["test_bad"]["error"] and "error" not in lines["test_ok"]
 
 
+def test_bench_gpu_gives_no_run_more_than_its_cap(tmp_path, monkeypatch):
+    """One run stuck compiling or capturing cannot eat a lease: each gets at most --run-timeout-s, or what is left
+    of the budget if less."""
+    bench_gpu = load_benchmark("bench_gpu")
+    timeouts = []
+    monkeypatch.setattr(bench_gpu, "run_bench", lambda w, n, o, out, log, timeout: timeouts.append(timeout))
+    monkeypatch.setattr(bench_gpu, "run_loss", lambda out, log, dry: "")
+    assert bench_gpu.main(["--dry-run", "--skip-tests", "--only", "base", "--run-timeout-s", "7",
+                           "--out", str(tmp_path / "b.jsonl")]) == 0
+    assert timeouts and all(t == 7 for t in timeouts)
+    timeouts.clear()
+    assert bench_gpu.main(["--dry-run", "--skip-tests", "--only", "base", "--budget-s", "40",
+                           "--out", str(tmp_path / "c.jsonl")]) == 0
+    assert timeouts and all(30 <= t <= 40 for t in timeouts)
+
+
 def test_bench_gpu_tier_cut_short_still_names_its_failures(tmp_path, monkeypatch, capsys):
     """The lease's clock stops the tier: the tests that ended are counted, each failure printed with its last
     line, and the record keeps them all."""
