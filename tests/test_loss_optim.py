@@ -287,3 +287,24 @@ def test_cuda_compiled_and_fused_losses_agree_at_a_training_size():
     torch.testing.assert_close(compiled[2].float(), fused[2].float(), rtol=2e-2, atol=1e-6)
     # trainer.loss=auto takes it on this GPU: Triton and a C compiler are there
     assert loss_module.choose("auto", logits.device) == "compiled"
+
+
+def test_parallelize_says_when_auto_takes_the_compiled_loss(monkeypatch, caplog):
+    """The run's log names the loss `auto` chose where it compiles (its first step takes seconds more)."""
+    import logging
+
+    from tests.helpers.cli import compose_cfg
+    from transformer.config import ModelConfig
+    from transformer.dist import DistEnv
+    from transformer.model import Transformer
+    from transformer.training import parallelize as parallelize_module
+
+    cfg = compose_cfg("experiment=copy")
+    model = Transformer.from_config(ModelConfig(N=1, d_model=16, d_ff=32, h=2, dropout=0.0), 20, 20, True)
+    cpu = DistEnv(device=torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="transformer"):
+        assert parallelize_module.parallelize(model, cfg, cpu).loss == "fused"
+        assert "trainer.loss=auto" not in caplog.text
+        monkeypatch.setattr(parallelize_module, "choose_loss", lambda loss, device, graphs: "compiled")
+        assert parallelize_module.parallelize(model, cfg, cpu).loss == "compiled"
+    assert "trainer.loss=auto: the compiled label-smoothed loss" in caplog.text

@@ -110,4 +110,6 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         net = torch.compile(net)
     loss = choose_loss(tcfg.loss, env.device, tcfg.cuda_graphs)
+    if tcfg.loss == "auto" and loss == "compiled":  # the first step then compiles it: seconds, said once
+        note("trainer.loss=auto: the compiled label-smoothed loss (torch.compile; trainer.loss=fused to avoid it)")
     return Parallelized(model, net, amp_dtype, scaler, env.device, loss)
