@@ -16,6 +16,7 @@ To extend: a new switch set is one line of SWITCH_SETS (and its workloads in PLA
 checkout's config lacks is skipped and recorded, so the table may name switches that are still on a branch.
 """
 import argparse
+import collections
 import importlib.util
 import json
 import os
@@ -158,9 +159,7 @@ def run_tests(out: Path, log: Path, timeout: float, dry: bool) -> int:
     except subprocess.TimeoutExpired as e:
         code, text = 124, f"{e.stdout or ''}\ntimed out after {timeout:.0f} s"
     results = [json.loads(x) for x in report.read_text().splitlines()] if report.is_file() else []
-    counts = {}
-    for r in results:
-        counts[r["outcome"]] = counts.get(r["outcome"], 0) + 1
+    counts = collections.Counter(r["outcome"] for r in results)
     failed = [r for r in results if r["outcome"] == "failed"]
     summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) or "no test ended"
     if code == 124:

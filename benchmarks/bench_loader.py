@@ -16,24 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from tests.helpers.cli import compose_cfg  # noqa: E402 (the composition benchmarks share with the tests)
+
 DEFAULTS = ["experiment=multi30k", "bench.synthetic=true", "bench.vocab_size=8000", "bench.length_mean=14",
             "bench.length_std=5"]
-
-
-def compose(overrides):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from omegaconf import OmegaConf
-
-    from transformer.cli.train import run_name
-    from transformer.config import CONF_DIR, register_configs
-
-    register_configs()
-    OmegaConf.register_new_resolver("run_name", run_name, replace=True)
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return hydra_compose(config_name="config", overrides=overrides)
 
 
 def main(argv=None) -> int:
@@ -46,7 +32,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from transformer.data.synthetic import SyntheticData
 
-    cfg = compose(DEFAULTS + args.overrides)
+    cfg = compose_cfg(*DEFAULTS, *args.overrides)
     data = SyntheticData(cfg, 0, 1, pin_memory=False, num_workers=args.workers)
     if args.static:
         data.use_static_shapes()
