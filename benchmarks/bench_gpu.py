@@ -245,8 +245,9 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
              f"{header['commit']}; synthetic batches; MFU on real tokens (computed FLOPs, padding included, in "
              f"brackets); tok/s: all repeats' mean (median, min-max of the repeats)", "",
              "| workload | switches | max_tokens | compute / loss | target tok/s | step ms | MFU real (computed) | "
-             "waste pad / pad-to-multiple | GPU busy | syncs/step (flag waits) | peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "waste pad / pad-to-multiple | GPU busy | kernel ms / launches per step | syncs/step (flag waits) | "
+             "peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         sp = r["tgt_tokens_per_s_spread"]
         syncs = "n/a" if r["host_syncs_per_step"] is None else f"{r['host_syncs_per_step']:.2f}"
@@ -254,10 +255,10 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
             f"| {r['workload']} | {r['switches']} | {r['max_tokens']} | {r['compute']} / {r.get('loss', '?')} | "
             f"{r['tgt_tokens_per_s']:,.0f} ({sp['median']:,.0f}, {sp['min']:,.0f}-{sp['max']:,.0f}) | "
             f"{r['step_ms']:.1f} | {_pct(r['mfu'])} ({_pct(r['mfu_computed'])}) | "
-            f"{_pct(r['waste_padding'])} / {_pct(r['waste_pad_multiple'])} | {_pct(r['busy'])} | "
+            f"{_pct(r['waste_padding'])} / {_pct(r['waste_pad_multiple'])} | {_pct(r['busy'])} | {_kernels(r)} | "
             f"{syncs} ({r['flag_waits_per_step']:.2f}) | {r['peak_mem_gb']:.1f} |")
     for s in skipped:
-        lines.append(f"| {s['workload']} | {s['switches']} | | | {s['why']} | | | | | | |")
+        lines.append(f"| {s['workload']} | {s['switches']} | | | {s['why']} | | | | | | | |")
     if loss_text:
         lines += ["", "```", loss_text.strip(), "```"]
     profiled = [r for r in records if r.get("top_ops")]
@@ -269,7 +270,21 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
                   "| ms/step | share | calls/step | name |", "|---|---|---|---|"]
         lines += [f"| {t['self_ms']:.3f} | {100 * t['share']:.1f}% | {t['calls']} | `{t['name'][:100]}` |"
                   for t in r["top_ops"]]
+    families = [r for r in profiled if (r.get("kernel_account") or {}).get("families")]
+    if families:  # every kernel, by family: where the device time of each profiled run went
+        names = sorted({f for r in families for f in r["kernel_account"]["families"]},
+                       key=lambda f: -sum(r["kernel_account"]["families"].get(f, 0.0) for r in families))
+        lines += ["", "Kernel time by family (ms per step, all kernels of the profile window; "
+                      "transformer/training/profiling.py names them):", "",
+                  "| workload | switches | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+        lines += [f"| {r['workload']} | {r['switches']} | " + " | ".join(
+            f"{r['kernel_account']['families'].get(f, 0.0):.2f}" for f in names) + " |" for r in families]
     return "\n".join(lines)
+
+
+def _kernels(r: dict) -> str:
+    account = r.get("kernel_account") or {}
+    return f"{account['kernel_ms']:.1f} / {account['launches']:,.0f}" if "kernels" in account else "n/a"
 
 
 def plan(args, keys: set) -> tuple:

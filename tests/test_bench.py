@@ -64,9 +64,10 @@ def test_bench_prints_a_sane_table_and_json_line(tmp_path):
     assert r["profile_steps"] == 1 and r["busy"] is None and r["top_ops_kind"] == "ops_self_cpu"
     assert r["flag_waits_per_step"] == 0 and r["host_syncs_per_step"] is None  # CPU: flags are read directly
     assert 1 <= len(r["top_ops"]) <= 15 and any(t["name"] in ("aten::mm", "aten::addmm") for t in r["top_ops"])
+    assert r["kernel_account"]["ops"] > sum(t["calls"] for t in r["top_ops"])  # every operator, not the top's
     assert all(a["self_ms"] >= b["self_ms"] > 0 for a, b in zip(r["top_ops"], r["top_ops"][1:], strict=False))
     for row in ("target tokens/s (real)", "forward+backward", "model FLOPs / step", "waste: padding", "MFU",
-                "top ", "operators by self CPU time"):
+                "top ", "operators by self CPU time", "operators / step"):
         assert row in res.stdout
     assert list(tmp_path.iterdir()) == []  # no run directory, no .hydra, no outputs/
 
@@ -182,6 +183,60 @@ def test_top_operators_lists_kernels_by_self_device_time_per_step():
     assert [t["name"] for t in top] == ["sm90_gemm", "softmax_kernel"]
     assert top[0] == {"name": "sm90_gemm", "calls": 2, "self_ms": 0.3, "share": pytest.approx(2 / 3)}
     assert [t["name"] for t in top_operators(avgs, device=False, rows=1, steps=1)] == ["aten::mm"]
+
+
+def test_kernel_families_name_the_kernels_of_real_profiles():
+    """Names from the H200 profiles of docs/performance.md: compiled kernels are told apart by what they fuse."""
+    from transformer.training.profiling import kernel_family
+
+    names = {
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIte":
+            "copy, cast, cat",
+        "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::Opaq":
+            "copy, cast, cat",
+        "fmha_cutlassB_bf16_aligned_64x64_k64_dropout_sm80(PyTorchMemEffAttention::AttentionBackwardKernel":
+            "attention",
+        "void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<64": "attention",
+        "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64": "matmul",
+        "triton_red_fused__log_softmax_backward_data__to_copy_add_expand_masked_fill_neg_unsqueeze_view_2": "loss",
+        "triton_per_fused__to_copy_add_native_dropout_backward_native_layer_norm_backward_view_6":
+            "compiled (Triton)",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::Fuse":
+            "optimizer",
+        "void at::native::(anonymous namespace)::GammaBetaBackwardCUDAKernelTemplate<float, float, 32u": "layer norm",
+        "void at::native::(anonymous namespace)::fused_dropout_kernel_vec<c10::BFloat16, float, unsigned": "dropout",
+        "void at::native::reduce_kernel<128, 4, at::native::ReduceOp<c10::BFloat16, at::native::func_wrap": "reduction",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel_cuda(at::TensorIter": "elementwise",
+        "Memcpy HtoD (Pinned -> Device)": "copy, cast, cat",
+        "some_new_kernel": "other",
+    }
+    assert {n: kernel_family(n) for n in names} == names
+
+
+def test_kernel_account_sums_every_kernel_per_step_and_counts_launches():
+    """All device activity is accounted for, by family, per step; user annotations (an optimizer step's range on
+    the device timeline, gaps included) are neither kernels nor busy time; launches are the host's queueing calls."""
+    from types import SimpleNamespace as NS
+
+    from transformer.training.profiling import device_events, kernel_account
+
+    def ev(name, start, end, device="DeviceType.CUDA", annotation=False):
+        return NS(name=name, device_type=device, is_user_annotation=annotation, time_range=NS(start=start, end=end))
+
+    events = [ev("nvjet_sm90_tst_128x128", 0, 3000), ev("flash_fwd_kernel", 3000, 4000),
+              ev("triton_poi_fused_native_dropout_relu_view_18", 4000, 4500), ev("nvjet_sm90_tst_64x64", 5000, 6000),
+              ev("Optimizer.step#Adam.step", 4000, 9000, annotation=True),
+              ev("cudaLaunchKernel", 0, 5, device="DeviceType.CPU"),
+              ev("cuLaunchKernel", 5, 9, device="DeviceType.CPU"),
+              ev("cudaGraphLaunch", 9, 12, device="DeviceType.CPU"), ev("aten::mm", 0, 20, device="DeviceType.CPU")]
+    account = kernel_account(events, steps=2, cuda=True)
+    assert account["kernels"] == 2 and account["launches"] == 1.5
+    assert account["families"] == {"matmul": 2.0, "attention": 0.5, "compiled (Triton)": 0.25}
+    assert list(account["families"]) == ["matmul", "attention", "compiled (Triton)"]  # largest first
+    assert account["kernel_ms"] == pytest.approx(2.75)
+    assert "Optimizer.step#Adam.step" not in {e.name for e in device_events(events)}
+    assert kernel_account(events, steps=2, cuda=False) == {"ops": 0.5}  # a CPU: aten calls per step
 
 
 def test_peak_table_matches_device_names():
@@ -373,6 +428,30 @@ def test_bench_gpu_tier_cut_short_still_names_its_failures(tmp_path, monkeypatch
 
 
 @pytest.mark.slow
+def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_families():
+    """A GPU record's kernel account reaches the summary: kernel ms and launches in its row, and one row of
+    kernel time by family per profiled run, families ordered by their total time."""
+    markdown = load_benchmark("bench_gpu").markdown
+    header = {"device": "NVIDIA H200", "date": "2026-11-28", "torch": "2.11.0", "cuda": "13.0", "commit": "abc1234"}
+
+    def rec(switches, families, launches):
+        return {"workload": "base@16k", "switches": switches, "max_tokens": 16384, "compute": "bf16",
+                "loss": "compiled", "tgt_tokens_per_s": 3e5, "tgt_tokens_per_s_spread": {"median": 3e5, "min": 2.9e5,
+                                                                                       "max": 3.1e5},
+                "step_ms": 46.2, "mfu": 0.121, "mfu_computed": 0.147, "waste_padding": 0.061,
+                "waste_pad_multiple": 0.113, "busy": 0.46, "host_syncs_per_step": 0.0, "flag_waits_per_step": 0.0,
+                "peak_mem_gb": 15.3, "top_ops": [{"name": "nvjet", "calls": 22, "self_ms": 1.1, "share": 0.1}],
+                "top_ops_kind": "kernels_self_device", "profile_steps": 5,
+                "kernel_account": {"kernels": 900.0, "kernel_ms": sum(families.values()), "launches": launches,
+                                   "families": families}}
+
+    md = markdown(header, [rec("eager", {"matmul": 12.0, "attention": 4.5}, 2400.0),
+                           rec("all", {"matmul": 11.0, "compiled (Triton)": 9.0}, 3.0)], [])
+    assert "| 16.5 / 2,400 |" in md and "| 20.0 / 3 |" in md
+    assert "| workload | switches | matmul | compiled (Triton) | attention |" in md
+    assert "| base@16k | eager | 12.00 | 0.00 | 4.50 |" in md and "| base@16k | all | 11.00 | 9.00 | 0.00 |" in md
+
+
 def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     """`bench_gpu.py --dry-run`: the GPU script's plumbing on a CPU, everything shrunk: one JSON record per run,
     the header (device, date, torch, commit), a Markdown table with a row per run and the top operators."""

@@ -169,6 +169,13 @@ def test_bench_reports_mfu_on_gpu(tmp_path):
     # Batches come from the training default of 2 loader workers; the profile window saw kernels on the device.
     assert r["loader_workers"] == 2 and 0 < r["busy"] <= 1
     assert r["top_ops_kind"] == "kernels_self_device" and 1 <= len(r["top_ops"]) <= 15
+    # The whole kernel account: kernels and the host's launch calls per step, every kernel's time in a family,
+    # at least the top list's (the top list is part of it).
+    account = r["kernel_account"]
+    assert account["kernels"] >= len(r["top_ops"]) and account["launches"] > 0 and "matmul" in account["families"]
+    assert account["kernel_ms"] == pytest.approx(sum(account["families"].values()))
+    assert account["kernel_ms"] >= sum(t["self_ms"] for t in r["top_ops"]) * 0.99
+    assert "kernels / step" in res.stdout and "by family" in res.stdout
 
 
 def test_auto_precision_is_bf16_where_supported():

@@ -8,8 +8,10 @@ clock), peak memory, model FLOPs per step (transformer/model/flops.py) and MFU =
 whose peak is known (or `bench.peak_tflops`). Useful FLOPs are those of the real tokens, each sentence at
 its own length: what padding adds (to the batch's longest sentence, and to trainer.pad_to_multiple) is
 reported apart as waste, never as useful work. The timed steps run as `bench.repeats` windows whose spread
-is reported; then a profile window gives the device busy fraction and the top kernels (top operators on a
-CPU). Under torchrun every rank runs steps; tokens/s are for the whole job and MFU per GPU.
+is reported; then a profile window gives the device busy fraction, the top kernels (top operators on a
+CPU) and the whole kernel account: kernels, device time by kernel family and host launch calls per step
+(transformer/training/profiling.py); the report's table: transformer/training/bench_report.py. Under
+torchrun every rank runs steps; tokens/s are for the whole job and MFU per GPU.
 """
 import itertools
 import logging
@@ -31,7 +33,7 @@ from transformer.model.flops import real_flops, step_flops
 from transformer.training import speedups
 from transformer.training.hotpath import LaggedFlag, StepTimer, TrainWindow
 from transformer.training.logs import Progress, setup_logging
-from transformer.training.profiling import profile_window, top_table
+from transformer.training.profiling import profile_window
 
 log = logging.getLogger(__name__)
 
@@ -301,6 +303,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "host_syncs_per_step": prof["host_syncs"] / prof["steps"] if prof and prof["host_syncs"] is not None
         else None,
         "busy": prof["busy"] if prof else None, "profile_steps": prof["steps"] if prof else None,
+        "kernel_account": prof["account"] if prof else None,
         "top_ops": prof["top"] if prof else None, "top_ops_kind": (
             ("kernels_self_device" if env.device.type == "cuda" else "ops_self_cpu") if prof else None),
         "graphs": m["graphs"], "graphs_during_timed": m["graphs_during_timed"],
@@ -317,67 +320,6 @@ def _commit() -> Optional[str]:
         return out.stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def table(r: dict) -> str:
-    """The human-readable report (the JSON line carries the same numbers)."""
-    def ms(key):
-        v = r[key]
-        return "n/a (one worker)" if v is None else f"{v:9.2f} ms  {100 * v / r['step_ms']:5.1f}%"
-
-    mdl = r["model"]
-    depth = f"N={mdl['N']}" + (f" N_dec={mdl['N_dec']}" if mdl["N_dec"] != mdl["N"] else "")
-    head = (f"transformer-bench | {r['device']} x{r['workers']} | torch {r['torch']} | commit {r['commit']}\n"
-            f"model {depth} d_model={mdl['d_model']} d_ff={mdl['d_ff']} h={mdl['h']} "
-            f"vocab {mdl['src_vocab_size']}/{mdl['tgt_vocab_size']} ({r['params_m']}M params) | {r['compute']} | "
-            f"compile {r['compile']} | data {r['data']} max_tokens={r['max_tokens']} accumulate={r['accumulate']}")
-    if r["mfu"] is not None:
-        sp = r["mfu_spread"]
-        mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:g} TFLOP/s on real tokens (repeats {100 * sp['min']:.1f}"
-               f"-{100 * sp['max']:.1f}%); {100 * r['mfu_computed']:.1f}% counting padding")
-    else:
-        mfu = "n/a (no known peak: set bench.peak_tflops)" if r["device"] != "cpu" else "n/a on CPU"
-    sp = r["tgt_tokens_per_s_spread"]
-    rows = [
-        ("target tokens/s (real)", f"{r['tgt_tokens_per_s']:,.0f}  (median of {r['repeats']} repeats "
-                                   f"{sp['median']:,.0f}, min {sp['min']:,.0f}, max {sp['max']:,.0f})"),
-        ("source tokens/s (real)", f"{r['src_tokens_per_s']:,.0f}"),
-        ("sentences/s", f"{r['sentences_per_s']:,.1f}"),
-        ("target padding", f"{100 * r['target_padding']:.1f}%"),
-        ("step time", f"{r['step_ms']:9.2f} ms  ({r['repeats']} x {r['steps']} timed steps after "
-                      f"{r['warmup_steps']} warm-up steps, {r['warmup_s']:.1f} s; loader workers "
-                      f"{r['loader_workers']})"),
-        ("  data wait (host)", ms("data_wait_ms")),
-        ("  forward+backward", ms("forward_backward_ms")),
-        ("  communication", ms("communication_ms")),
-        ("  optimizer", ms("optimizer_ms")),
-        ("  other (host, not overlapped)", ms("other_ms")),
-        ("peak memory", f"{r['peak_mem_gb']:.2f} GiB ({r['peak_mem_kind']})"),
-        ("model FLOPs / step", f"{r['flops_per_step'] / 1e12:.4g} TFLOP on real tokens (per worker); "
-                               f"{r['flops_computed_per_step'] / 1e12:.4g} computed"),
-        ("  waste: padding", f"{100 * r['waste_padding']:.1f}% of computed FLOPs (to each batch's longest)"),
-        ("  waste: pad to multiple", f"{100 * r['waste_pad_multiple']:.1f}% of computed FLOPs " + (
-            f"(static shapes: rows and lengths, {r['shapes']} shapes)" if r.get("static_shapes") else
-            f"(trainer.pad_to_multiple={r['pad_to_multiple']})")),
-        ("achieved", f"{r['achieved_tflops']:.4g} TFLOP/s on real tokens (per worker)"),
-        ("MFU", mfu),
-    ]
-    rows.append(("host syncs / step", f"{r['flag_waits_per_step']:.2f} stop-flag event waits; " + (
-        f"{r['host_syncs_per_step']:.2f} synchronising calls (sync debug mode, profile window)"
-        if r["host_syncs_per_step"] is not None else "synchronising calls: n/a (GPU only)")))
-    if r["top_ops"] is not None:
-        rows.append(("device busy", f"{100 * r['busy']:.1f}% of the profile window ({r['profile_steps']} steps)"
-                     if r["busy"] is not None else f"n/a on CPU ({r['profile_steps']} steps profiled)"))
-    if r.get("cuda_graphs_captured") is not None:  # a capture costs a few steps' time: timed ones count it
-        rows.append(("CUDA graphs captured", f"{r['cuda_graphs_captured']} micro-batch shapes "
-                                             f"({r['cuda_graphs_captured_timed']} during the timed steps)"))
-    if r["graphs"] is not None:
-        rows.append(("compiled graphs", f"{r['graphs']} ({r['graphs_during_timed']} during the timed steps)"))
-    width = max(len(k) for k, _ in rows)
-    lines = [head, "-" * len(head.splitlines()[0])] + [f"{k:<{width}}  {v}" for k, v in rows]
-    if r["top_ops"] is not None:
-        lines.append(top_table(r["top_ops"], r["top_ops_kind"] == "kernels_self_device"))
-    return "\n".join(lines)
 
 
 def run_benchmark(cfg) -> Optional[dict]:
@@ -405,6 +347,8 @@ def _measure(cfg, env: dist.DistEnv) -> dict:
 @dist.rank_zero
 def _report(record: dict, out: Optional[str]) -> None:
     import json
+
+    from transformer.training.bench_report import table
 
     line = json.dumps(record)
     print(table(record))

@@ -1,7 +1,11 @@
 """`transformer-bench`'s profile window: a few more training steps under torch.profiler, reduced to the device's
-busy fraction (the time some kernel or copy ran, over the window's wall time on the device) and the top
+busy fraction (the time some kernel or copy ran, over the window's wall time on the device), the top
 operators by self time: kernels by self device time on a GPU, operators by self CPU time on a CPU (where
-there is no device timeline, so no busy fraction either)."""
+there is no device timeline, so no busy fraction either), and the step's whole kernel account: kernels,
+their time by family and the host's launch calls per step on a GPU, operators per step on a CPU. The top list
+names the 15 largest kernels; the families account for all of them, so a profile says where every
+millisecond of device time went, and the launches what the host pays for them."""
+import re
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
@@ -34,6 +38,53 @@ def busy_fraction(intervals: Iterable[Tuple[float, float]], window: Optional[Tup
     return busy / (hi - lo)
 
 
+# Kernel families by name, the first that matches: compiled (Triton) kernels are named after what they fuse,
+# so the loss's and attention's are told apart before the generic "compiled" family takes the rest.
+FAMILIES = (
+    ("loss", r"log_?softmax|softmax|cross_entropy|nll_loss"),  # SDPA's softmax is inside its kernels
+    ("attention", r"fmha|flash|attention|sdpa"),
+    ("matmul", r"gemm|nvjet|xmma|cublas|cutlass|splitk|_mm_|matmul"),
+    ("compiled (Triton)", r"^triton_"),
+    ("optimizer", r"fusedoptim|multi_tensor_apply|adam"),
+    ("layer norm", r"layer_norm|gammabeta|layernorm"),
+    ("dropout", r"dropout|bernoulli"),
+    ("copy, cast, cat", r"copy|catarray|memcpy|memset|_to_copy|cast"),
+    ("reduction", r"reduce_kernel|norm_kernel|sum_kernel"),
+    ("elementwise", r"elementwise"),
+)
+# The host's calls that put work on the GPU's queue, runtime and driver API (cudaLaunchKernel, cuLaunchKernelEx,
+# cudaGraphLaunch, cudaMemcpyAsync, ...): what a host-bound step spends its time on.
+LAUNCH = re.compile(r"^cu(da)?(Launch|GraphLaunch|Memcpy|Memset)")
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    return next((family for family, pattern in FAMILIES if re.search(pattern, low)), "other")
+
+
+def device_events(events) -> list:
+    """The profile's device activity (kernels, copies, memsets), without user annotations: an annotation
+    (`Optimizer.step#Adam.step`) spans the kernels of its range, gaps included, on the device's timeline."""
+    return [e for e in events if str(getattr(e, "device_type", "")).endswith("CUDA")
+            and not getattr(e, "is_user_annotation", False)]
+
+
+def kernel_account(events, steps: int, cuda: bool) -> Dict:
+    """Per step: on a GPU {kernels, kernel_ms (summed, overlaps counted twice), launches (host calls that
+    queue device work), families {name: ms}}; on a CPU {ops: operator calls, nested ones included}."""
+    steps = max(steps, 1)
+    if not cuda:
+        return {"ops": sum(1 for e in events if e.name.startswith("aten::")) / steps}
+    kernels = device_events(events)
+    families: Dict[str, float] = {}
+    for e in kernels:
+        family = kernel_family(e.name)
+        families[family] = families.get(family, 0.0) + (e.time_range.end - e.time_range.start) / 1e3 / steps
+    return {"kernels": len(kernels) / steps, "kernel_ms": sum(families.values()),
+            "launches": sum(1 for e in events if LAUNCH.match(e.name)) / steps,
+            "families": dict(sorted(families.items(), key=lambda kv: -kv[1]))}
+
+
 def host_syncs(fn: Callable[[], None]) -> List[str]:
     """Messages of the synchronising CUDA calls `fn` makes (torch.cuda.set_sync_debug_mode: GPU only; CUDA event
     waits are not among them, LaggedFlag counts its own)."""
@@ -57,7 +108,7 @@ def top_operators(averages, device: bool, rows: int, steps: int) -> List[Dict]:
     key = "self_device_time_total" if device else "self_cpu_time_total"
     kind = "CUDA" if device else "CPU"
     items = [a for a in averages if (str(getattr(a, "device_type", "")).endswith(kind) or not device)
-             and getattr(a, key, 0) > 0]
+             and getattr(a, key, 0) > 0 and not (device and getattr(a, "is_user_annotation", False))]
     if device and not items:  # kernels not told apart by this torch: operators with the kernel time they launched
         items = [a for a in averages if getattr(a, key, 0) > 0]
     total = sum(getattr(a, key) for a in items) or 1.0
@@ -69,7 +120,8 @@ def top_operators(averages, device: bool, rows: int, steps: int) -> List[Dict]:
 def profile_window(run: Callable[[int], None], sync: Callable[[], None], device: torch.device, steps: int,
                    rows: int) -> Dict:
     """Runs `run(steps)` under torch.profiler. Returns {steps, wall_ms (per step, profiler overhead included),
-    busy (device busy fraction, None on CPU), top: top_operators, table: torch's own table}."""
+    busy (device busy fraction, None on CPU), top: top_operators, account: kernel_account, table: torch's own
+    table}."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -85,16 +137,16 @@ def profile_window(run: Callable[[int], None], sync: Callable[[], None], device:
         sync()
         wall = time.perf_counter() - t0
     busy = None
+    events = prof.events()
     if cuda:
-        events = prof.events()
-        spans = [(e.time_range.start, e.time_range.end) for e in events if str(e.device_type).endswith("CUDA")]
+        spans = [(e.time_range.start, e.time_range.end) for e in device_events(events)]
         # The window: from the first event on either side to the last (host and device clocks are aligned).
         window = (min(e.time_range.start for e in events), max(e.time_range.end for e in events))
         busy = busy_fraction(spans, window)
     averages = prof.key_averages()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     return {"steps": steps, "wall_ms": 1e3 * wall / steps, "busy": busy, "host_syncs": len(syncs) if cuda else None,
-            "top": top_operators(averages, cuda, rows, steps),
+            "top": top_operators(averages, cuda, rows, steps), "account": kernel_account(events, steps, cuda),
             "table": averages.table(sort_by=key, row_limit=rows)}
 
 

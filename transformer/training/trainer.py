@@ -4,7 +4,6 @@ Its `state_dict()` is the checkpoint: model, optimiser, schedule, grad scaler, s
 in the epoch's batch list, best metric, and the RNG state of every rank. Restoring it continues
 the run exactly where it stopped.
 """
-import contextlib
 import logging
 import math
 from pathlib import Path
@@ -16,7 +15,6 @@ from transformer import exit_codes
 from transformer.config import to_container
 from transformer.data.shapes import static_shape
 from transformer.dist import DistEnv, rank_zero
-from transformer.specials import PAD
 from transformer.tasks import Task
 from transformer.training import speedups
 from transformer.training.checkpoint import (
@@ -26,14 +24,14 @@ from transformer.training.checkpoint import (
 )
 from transformer.training.ema import EMA
 from transformer.training.graphs import GraphStep
-from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow, new_stats, step_result
+from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
-from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.nonfinite import Diverged, NonfiniteGuard, check_weights, diverged_line
 from transformer.training.optim import build_optimizer, fall_steps, load_optimizer_state
 from transformer.training.parallelize import Parallelized
 from transformer.training.quality import RunClock, TimeToQuality
 from transformer.training.run_end import end_of_run
+from transformer.training.step import TrainStep
 from transformer.training.validation import Validator, rng_untouched
 
 log = logging.getLogger(__name__)
@@ -71,7 +69,6 @@ class Trainer:
         self.static_shapes = self.tcfg.static_shapes or self.tcfg.cuda_graphs  # transformer/data/shapes.py
         if self.static_shapes:
             data.use_static_shapes()
-        self.timer: Optional[StepTimer] = None  # transformer-bench's phase timer
         self.step = self.epoch = self.batch_index = 0
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
@@ -90,6 +87,17 @@ class Trainer:
         self.graphs = GraphStep(self.model, self.net, self.optimizer, self.autocast, self.tcfg, self.guard,
                                 env, capture=env.device.type == "cuda",
                                 loss=parallel.loss) if self.tcfg.cuda_graphs else None
+        self.train_step = TrainStep(parallel, self.optimizer, self.scheduler, self.guard, self.graphs, env,
+                                    self.tcfg, self.pad_multiple)
+
+    @property
+    def timer(self) -> Optional[StepTimer]:
+        """transformer-bench's phase timer, kept by the step."""
+        return self.train_step.timer
+
+    @timer.setter
+    def timer(self, timer: Optional[StepTimer]) -> None:
+        self.train_step.timer = timer
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -325,66 +333,9 @@ class Trainer:
         return result, stop
 
     def _optimizer_step(self, micro) -> StepResult:
-        """Forward/backward over K micro-batches, one gradient sync, one update. Loss is normalised by the
-        target tokens of all micro-batches on all ranks, so the update equals one big batch's.
-        Nothing here reads a device value on the host (transformer/training/hotpath.py): sums stay on the device."""
-        self.net.train()
-        if self.timer is not None:
-            self.timer.start()
-        loss_sum = torch.zeros((), device=self.env.device)
-        nll_sum = torch.zeros((), device=self.env.device)
-        tokens = 0
-        for i, batch in enumerate(micro):
-            batch = speedups.prepare_batch(batch.to(self.env.device), self.pad_multiple, self.tcfg.compile,
-                                           self._static_shape(batch))
-            if self.graphs is not None:  # forward, loss and backward as one CUDA graph per shape
-                self.graphs.accumulate(batch.src, batch.tgt_in, batch.tgt_out, self._dropout)
-                continue
-            tokens += batch.n_tokens
-            last = i == len(micro) - 1
-            sync = self.net.no_sync() if (self.env.distributed and not last) else contextlib.nullcontext()
-            with sync:
-                with self.autocast():
-                    logits = self.net(batch.src, batch.tgt_in, packings=batch.packings)  # (B, T, V)
-                loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD,
-                                                         impl=self.parallel.loss, inplace=True)
-                self.scaler.scale(loss).backward()
-            loss_sum += loss.detach()
-            nll_sum += nll.detach()
-        if self.graphs is not None:  # gradients all-reduced (eager); the sums on the device, tokens counted there too
-            tokens, loss_sum, nll_sum = self.graphs.reduce()
-        if self.timer is not None:
-            self.timer.mark("forward_backward")
-        # Token count, loss sums and the stop, late, anneal and nonfinite flags travel in one tensor and one
-        # all-reduce (the gradients are complete here: DDP reduced them in backward).
-        stop = self.stop_signal is not None
-        late, anneal = self._time_flags()
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        nonfinite = self.guard.flag(loss_sum, grads)
-        stats = self.env.all_reduce_(new_stats(self.env.device, tokens, loss_sum, nll_sum, stop, late, anneal,
-                                               nonfinite))
-        if self.timer is not None:
-            self.timer.mark("communication")
-        if self.graphs is not None:  # normalise, clip, Adam and zero the gradients as one CUDA graph
-            grad_norm = self.graphs.update(stats)
-            self.scheduler.step()  # writes the next rate into Adam's device tensor
-            if self.timer is not None:
-                self.timer.mark("optimizer")
-            return step_result(stats, grad_norm)
-        self.scaler.unscale_(self.optimizer)
-        # DDP averaged the ranks' gradients of summed losses; turn that into the gradient of the mean over tokens.
-        torch._foreach_mul_(grads, (self.env.world_size / stats[0].clamp(min=1.0)).float())
-        grad_norm = None
-        if self.tcfg.clip_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm).detach()
-        with self.guard.skipping(self.optimizer, stats):
-            self.scaler.step(self.optimizer)  # fp16 only: the scaler reads its inf check here (a sync)
-        self.scaler.update()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.timer is not None:
-            self.timer.mark("optimizer")
-        return step_result(stats, grad_norm)
+        """One optimiser step over the micro-batches `micro` (transformer/training/step.py), no host sync."""
+        return self.train_step(micro, self._static_shape, self._dropout,
+                               lambda: (self.stop_signal is not None, *self._time_flags()))
 
     def _static_shape(self, batch) -> Optional[tuple]:
         """trainer.static_shapes: the (rows, S, T) this epoch's batch is padded to (transformer/data/shapes.py)."""
