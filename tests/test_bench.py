@@ -466,7 +466,8 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     benches = [r for r in records if r["kind"] == "bench"]
     assert {(r["workload"], r["switches"]) for r in benches} == {
         (w, s) for w in ("base@recipe", "base@16k")
-        for s in ("eager", "loss=reference", "loss=fused", "bf16_residual", "unpadded", "static_shapes")
+        for s in ("eager", "loss=reference", "loss=fused", "bf16_residual", "unpadded", "attn_dropout0",
+                  "static_shapes")
     } | {("base@recipe", "acc8"), ("base@recipe", "acc8+fit")}
     assert all(r["model"]["N"] == 1 and r["steps"] == 1 and r["top_ops"] for r in benches)
     assert all(r["commit"] == records[0]["commit"] for r in benches)

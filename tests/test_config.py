@@ -119,3 +119,12 @@ def test_bad_data_exits_2_in_one_line_and_leaves_no_run_dir(tmp_path, overrides,
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "outputs").exists(), sorted(str(p) for p in (tmp_path / "outputs").rglob("*"))
+
+
+def test_attention_dropout_out_of_range_is_refused_with_its_key():
+    from transformer.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"model.attention_dropout=1.0: must be in \[0, 1\)"):
+        validate(compose_cfg("model.attention_dropout=1.0"))
+    validate(compose_cfg("model.attention_dropout=0"))
+    validate(compose_cfg("model.attention_dropout=null"))

@@ -120,3 +120,59 @@ def test_training_attention_uses_the_cpu_path_only_with_dropout(monkeypatch):
     attn.eval()(x, is_causal=True)  # no dropout: SDPA's fused kernel
     layers.MultiHeadAttention(16, 2, 0.0).train()(x)
     assert calls == [0.1]
+
+
+def _model(**kw):
+    from transformer.model import ModelArgs, Transformer
+
+    args = dict(N=1, N_dec=1, d_model=16, d_ff=32, h=2, dropout=0.1, norm_first=False, tie_embeddings="decoder",
+                max_positions=64, src_vocab_size=20, tgt_vocab_size=20, shared_vocab=False)
+    return Transformer(ModelArgs(**{**args, **kw}))
+
+
+def _rates(model):
+    from transformer.model.layers import MultiHeadAttention
+
+    attention = {m.dropout for m in model.modules() if isinstance(m, MultiHeadAttention)}
+    other = {m.p for m in model.modules() if isinstance(m, Dropout)}
+    return attention, other
+
+
+def test_attention_dropout_sets_the_attention_weights_rate_alone_and_survives_a_schedule():
+    """model.attention_dropout: the paper's Section 5.4 drops sublayer outputs and embeddings, not attention
+    weights; null keeps P_drop there (checkpoints before the key); trainer.dropout_by_epoch leaves a set rate."""
+    assert _rates(_model()) == ({0.1}, {0.1})
+    model = _model(attention_dropout=0.0)
+    assert _rates(model) == ({0.0}, {0.1})
+    model.set_dropout(0.3)
+    assert _rates(model) == ({0.0}, {0.3})
+    plain = _model()
+    plain.set_dropout(0.3)
+    assert _rates(plain) == ({0.3}, {0.3})
+    assert _rates(_model(attention_dropout=0.2, dropout=0.0)) == ({0.2}, {0.0})
+
+
+def test_attention_dropout_zero_trains_attention_without_a_random_mask(monkeypatch):
+    """At 0 every attention call of a training forward gets dropout_p 0 (SDPA's kernels, no mask drawn), while
+    the sublayers still drop at P_drop: two forwards differ, their attention calls are all p=0."""
+    from transformer.model import layers
+
+    seen = []
+    real = layers.MultiHeadAttention._attend
+    monkeypatch.setattr(layers.MultiHeadAttention, "_attend",
+                        lambda self, q, k, v, mask, causal, p: seen.append(p) or real(self, q, k, v, mask, causal, p))
+    model = _model(attention_dropout=0.0).train()
+    src, tgt = torch.randint(4, 20, (3, 6)), torch.randint(4, 20, (3, 5))
+    assert not torch.equal(model(src, tgt), model(src, tgt))  # residual and embedding dropout still on
+    assert seen and set(seen) == {0.0}
+    seen.clear()
+    _model().train()(src, tgt)
+    assert set(seen) == {0.1}
+
+
+def test_checkpoints_without_attention_dropout_load_with_p_drop_there():
+    from transformer.model import ModelArgs
+
+    old = {k: v for k, v in _model().args.to_dict().items() if k != "attention_dropout"}
+    assert ModelArgs.from_dict(old).attention_dropout is None
+    assert ModelArgs.from_dict({**old, "attention_dropout": 0.0}).attention_dropout == 0.0

@@ -1,5 +1,6 @@
 """transformer-export and the Hugging Face importer on small models, with the real `transformers` and
 `ctranslate2` (nothing is downloaded): same logits, same greedy output, round trips, one-line refusals."""
+import dataclasses
 import json
 import sys
 
@@ -191,6 +192,25 @@ def test_released_marian_switches_import_with_the_logits_transformers_computes(a
     with torch.no_grad():
         theirs = hf(input_ids=src, attention_mask=(src != 0).long(), decoder_input_ids=tgt_in).logits
     torch.testing.assert_close(our_logits(model.eval(), src, tgt_in), theirs, atol=2e-5, rtol=1e-5)
+
+
+def test_attention_dropout_goes_both_ways_with_marian_configs(tmp_path):
+    """A Marian config dropping 0.1 but nothing in attention (MarianConfig's defaults) imports as
+    model.attention_dropout=0.0 (a rate, which a fine-tuning run's config sets anew, as model.dropout); equal
+    rates import as null; an exported model writes its own rate."""
+    random_marian(tmp_path, dropout=0.1, attention_dropout=0.0)
+    args = import_hf(tmp_path / "marian")["model_args"]
+    assert (args["dropout"], args["attention_dropout"]) == (0.1, 0.0)
+    random_marian(tmp_path, dropout=0.1, attention_dropout=0.1)
+    assert import_hf(tmp_path / "marian")["model_args"]["attention_dropout"] is None
+    trained = trained_model(steps=1)  # dropout 0.0
+    for rate, written in ((None, 0.0), (0.3, 0.3)):
+        model = Transformer(dataclasses.replace(trained.args, attention_dropout=rate))
+        model.load_state_dict(trained.state_dict())
+        export_hf(model, tokenizer(), {}, tmp_path / f"hf{rate}")
+        cfg = json.loads((tmp_path / f"hf{rate}" / "config.json").read_text())
+        assert (cfg["dropout"], cfg["attention_dropout"]) == (0.0, written)
+        assert import_hf(tmp_path / f"hf{rate}")["model_args"]["attention_dropout"] == rate
 
 
 def test_a_folder_without_a_model_or_tokenizer_is_refused(tmp_path):

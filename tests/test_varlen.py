@@ -111,6 +111,26 @@ def test_cuda_varlen_kernel_equals_padded(dropout):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
+@pytest.mark.gpu
+def test_attention_dropout_zero_trains_on_a_varlen_kernel(monkeypatch):
+    """model.attention_dropout=0 with P_drop 0.1 elsewhere: a training forward runs every attention call on a
+    varlen kernel (torch's has no dropout; flash-attn's where installed), never the re-padding reference."""
+    from transformer.model import varlen
+
+    calls = []
+    real = varlen._reference
+    monkeypatch.setattr(varlen, "_reference", lambda *a: calls.append("reference") or real(*a))
+    torch.manual_seed(0)
+    model = Transformer.from_config(ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.1, attention_dropout=0.0),
+                                    30, 30, True).cuda().train()
+    model.set_unpadded_attention(True)
+    src, tgt = (t.cuda() for t in varied_batch())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss, _ = label_smoothed_cross_entropy(model(src, tgt), tgt, 0.1, PAD)
+    loss.backward()
+    assert calls == [] and all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 # ---- packings made on the host by the loader's collate: the same tensors, no host sync ------------------------
 
 class SyncRecorder(TorchDispatchMode):

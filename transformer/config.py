@@ -35,6 +35,10 @@ class ModelConfig:
     d_ff: int = 2048  # inner width of the position-wise feed-forward network (Section 3.3)
     h: int = 8  # attention heads; d_k = d_v = d_model / h
     dropout: float = 0.1  # P_drop
+    # Dropout on the attention weights; null: model.dropout (as before). Section 5.4 drops sublayer outputs and
+    # embeddings only (tensor2tensor and the Annotated Transformer add this one). At 0, attention needs no random
+    # mask, and trainer.unpadded_attention runs torch's varlen kernel (no dropout) without the flash-attn package.
+    attention_dropout: Optional[float] = None
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm (Annotated Transformer)
     tie_embeddings: str = "decoder"  # none | decoder | all (all needs one shared vocabulary)
     max_positions: int = 1024  # rows of the sinusoidal position table: the longest sequence the model takes
@@ -266,6 +270,8 @@ def check_model(m, key: str = "model") -> None:
     _check(m.N_dec is None or m.N_dec > 0, f"{key}.N_dec", m.N_dec, "must be positive or null (= N)")
     _check(m.d_model % m.h == 0, f"{key}.d_model", m.d_model, f"must be divisible by {key}.h={m.h}")
     _check(0 <= m.dropout < 1, f"{key}.dropout", m.dropout, "must be in [0, 1)")
+    _check(m.attention_dropout is None or 0 <= m.attention_dropout < 1, f"{key}.attention_dropout",
+           m.attention_dropout, "must be in [0, 1), or null (= model.dropout)")
     _check(m.tie_embeddings in TIE_EMBEDDINGS, f"{key}.tie_embeddings", m.tie_embeddings,
            "must be " + ", ".join(TIE_EMBEDDINGS))
     _check(m.activation in ACTIVATIONS, f"{key}.activation", m.activation, "must be " + ", ".join(ACTIVATIONS))

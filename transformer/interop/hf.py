@@ -54,12 +54,13 @@ def marian_config(args, dropout: Optional[float] = None):
     from transformers import MarianConfig
 
     p = args.dropout if dropout is None else dropout
+    attention = p if getattr(args, "attention_dropout", None) is None else args.attention_dropout
     tgt_rows = args.src_vocab_size if args.tie_embeddings == "all" else args.tgt_vocab_size
     return MarianConfig(
         vocab_size=args.src_vocab_size, decoder_vocab_size=tgt_rows, d_model=args.d_model,
         encoder_layers=args.N, decoder_layers=args.N_dec, encoder_attention_heads=args.h,
         decoder_attention_heads=args.h, encoder_ffn_dim=args.d_ff, decoder_ffn_dim=args.d_ff,
-        activation_function=args.activation, dropout=p, attention_dropout=p, activation_dropout=p,
+        activation_function=args.activation, dropout=p, attention_dropout=attention, activation_dropout=p,
         max_position_embeddings=args.max_positions, scale_embedding=True,
         share_encoder_decoder_embeddings=args.tie_embeddings == "all",
         tie_word_embeddings=args.tie_embeddings in ("decoder", "all"),
@@ -174,6 +175,13 @@ def _import_refusal(cfg: dict, fixed_ids: bool = True) -> Optional[str]:
     return next((why for ok, why in checks if not ok), None)
 
 
+def _attention_dropout(cfg: dict) -> Optional[float]:
+    """model.attention_dropout of a Marian config: null where it equals `dropout` (this project's default);
+    released opus-mt models drop nothing in attention (0.0) and 0.1 elsewhere."""
+    attention = cfg.get("attention_dropout")
+    return None if attention is None or float(attention) == float(cfg["dropout"]) else float(attention)
+
+
 def _output_rows(bias: torch.Tensor) -> int:
     """How many leading output rows are real: the rest carry -inf (an exported tgt_vocab=seen model)."""
     finite = torch.isfinite(bias)
@@ -238,7 +246,8 @@ def import_hf(path) -> dict:
                      norm_first=False, tie_embeddings="all" if share else "decoder" if tied else "none",
                      max_positions=cfg["max_position_embeddings"], src_vocab_size=V, tgt_vocab_size=n_out,
                      shared_vocab=True, activation=HF_ACTIVATIONS[cfg.get("activation_function", "gelu")],
-                     output_bias=bool((bias[:n_out] != 0).any()) or bool(spm and never))
+                     output_bias=bool((bias[:n_out] != 0).any()) or bool(spm and never),
+                     attention_dropout=_attention_dropout(cfg))
     with torch.device("meta"):
         keys = separate_keys(Transformer(args))
     state = fuse_projections(from_marian(hf_state, [k for k in keys if k != "generator.bias"], args.d_model))

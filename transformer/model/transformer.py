@@ -36,6 +36,7 @@ class ModelArgs:
     # Defaults here only so that code building ModelArgs by hand keeps working: today's behaviour.
     activation: str = "relu"  # feed-forward nonlinearity: relu | swish | gelu
     output_bias: bool = False  # a bias on the generator
+    attention_dropout: Optional[float] = None  # on the attention weights; None: dropout
 
     @classmethod
     def from_config(cls, model_cfg, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool) -> "ModelArgs":
@@ -64,8 +65,9 @@ class ModelArgs:
         """A checkpoint's "model_args" as this version writes them (`load_checkpoint` applies it): those written
         before N_dec existed had N layers on both sides."""
         d = {**d, "N_dec": d["N"]} if "N_dec" not in d and "N" in d else d
-        # Written before model.activation and model.output_bias existed: relu, no output bias.
-        return {"activation": "relu", "output_bias": False, **d} if "N" in d else d
+        # Written before model.activation, model.output_bias and model.attention_dropout existed: relu, no output
+        # bias, the attention weights dropped at P_drop.
+        return {"activation": "relu", "output_bias": False, "attention_dropout": None, **d} if "N" in d else d
 
 
 def sinusoidal_positions(n: int, d_model: int) -> torch.Tensor:
@@ -153,6 +155,8 @@ class Transformer(nn.Module):
             self.generator.weight = self.tgt_embed.tokens.weight
         if a.tie_embeddings == "all":
             self.src_embed.tokens.weight = self.tgt_embed.tokens.weight
+        if a.attention_dropout is not None:  # the attention weights' own rate (layers are built with P_drop)
+            self.set_dropout(a.dropout)
         self.bf16_residual = False  # set_bf16_residual
         self.unpadded_attention = False  # set_unpadded_attention
         # Checkpoints written with separate q/k/v projections load into the stacked ones.
@@ -269,14 +273,16 @@ class Transformer(nn.Module):
         self.unpadded_attention = on
 
     def set_dropout(self, p: float) -> None:
-        """P_drop of every dropout in the model (embeddings, sublayers, FFN and attention weights), for a
-        schedule over training (trainer.dropout_by_epoch); the weights and model args are untouched."""
+        """P_drop of every dropout in the model (embeddings, sublayers, FFN, and the attention weights unless
+        model.attention_dropout sets theirs), for a schedule over training (trainer.dropout_by_epoch); the
+        weights and model args are untouched."""
         check_rate(p)
+        attention = p if self.args.attention_dropout is None else check_rate(self.args.attention_dropout)
         for m in self.modules():
             if isinstance(m, Dropout):
                 m.p = p
             elif isinstance(m, MultiHeadAttention):
-                m.dropout = p
+                m.dropout = attention
 
     def set_bf16_residual(self, on: bool) -> None:
         """trainer.bf16_residual: under bf16 autocast the residual stream between sublayers (embeddings, every
