@@ -11,6 +11,8 @@ import threading
 from pathlib import Path
 from typing import Optional
 
+from transformer.checkpoint_files import FOLDER, step_files
+
 # Always the machine's: whatever the path.
 MACHINE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ESTALE}
 # The machine's when they hit a path inside the run directory, which this run created or accepted (it vanished,
@@ -64,10 +66,8 @@ def _size(n: float) -> str:
 def last_checkpoint(run_dir: Optional[Path]) -> str:
     if run_dir is None:
         return "none"
-    from transformer.training.checkpoint import Checkpointer
-
     try:
-        files = Checkpointer(run_dir, 1).step_files()
+        files = step_files(Path(run_dir) / FOLDER)
     except OSError:
         return f"unknown ({run_dir} cannot be read)"
     return str(files[0][1]) if files else "none"

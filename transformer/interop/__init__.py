@@ -3,7 +3,7 @@
 The weight-name correspondence lives in one place, `names.py`, written against the key names of
 `Transformer.state_dict()`.
 """
-from transformer.training.checkpoint import CheckpointError
+from transformer.checkpoint_files import CheckpointError
 
 
 class InteropError(CheckpointError):

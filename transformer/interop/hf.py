@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from transformer.checkpoint_files import FORMAT
 from transformer.interop import InteropError, check_out_dir, replace_dir
 from transformer.interop.names import from_marian, marian_name, separate_keys, to_marian
 from transformer.interop.opus import (
@@ -195,7 +196,6 @@ def import_hf(path) -> dict:
     """A MarianMTModel directory -> a checkpoint-shaped dict ("format", "model_args", "model", "tokenizer",
     "config") that this project's loaders take. Refuses, with one line, what does not map."""
     from transformer.model import ModelArgs, Transformer
-    from transformer.training.checkpoint import FORMAT
 
     path = Path(path)
     if not (path / "config.json").is_file():

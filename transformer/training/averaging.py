@@ -11,7 +11,8 @@ from typing import List, Sequence
 
 import torch
 
-from transformer.training.checkpoint import FORMAT, STEP_FILE, load_checkpoint, model_weights
+from transformer.checkpoint_files import FORMAT, STEP_FILE
+from transformer.training.checkpoint import load_checkpoint, model_weights
 
 
 class AverageError(ValueError):

@@ -15,6 +15,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from transformer.atomic import atomic_open, fsync_dir
+from transformer.checkpoint_files import FOLDER, FORMAT, CheckpointError, step_files
 from transformer.config import schema_defaults
 from transformer.environment import machine_error
 from transformer.model.projections import fuse_optimizer_state, fuse_projections
@@ -22,8 +23,6 @@ from transformer.model.transformer import ModelArgs, Transformer
 
 log = logging.getLogger(__name__)
 
-FORMAT = "transformer-checkpoint/1"
-STEP_FILE = re.compile(r"^step_(\d+)\.pt$")
 # Temporary files of interrupted writes: ".step_00000100.pt.<random>.tmp", ".last.pt.link.tmp", ...
 TEMP_FILE = re.compile(r"^\.(step_\d+|last|best|average_last\d+)\.pt\.[\w-]+\.tmp$")
 
@@ -32,10 +31,6 @@ TEMP_FILE = re.compile(r"^\.(step_\d+|last|best|average_last\d+)\.pt\.[\w-]+\.tm
 # continue exactly (a larger trainer.max_minutes is how an ended run trains on).
 MAY_CHANGE_ON_RESUME = ("trainer.max_minutes", "trainer.max_steps", "trainer.max_epochs", "trainer.resume",
                         "trainer.init_from", "trainer.progress", "data.root", "data.progress")
-
-
-class CheckpointError(RuntimeError):
-    pass
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -184,15 +179,12 @@ class Checkpointer:
     (hard links to step files, so each state is written once). Only rank 0 ever calls `save`."""
 
     def __init__(self, run_dir: Path, keep_last: int):
-        self.folder = Path(run_dir) / "checkpoints"
+        self.folder = Path(run_dir) / FOLDER
         self.keep_last = keep_last
 
     def step_files(self):
         """(step, path) pairs, newest first."""
-        if not self.folder.is_dir():
-            return []
-        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := STEP_FILE.match(p.name))]
-        return sorted(found, reverse=True)
+        return step_files(self.folder)
 
     def save(self, state: dict, step: int, is_best: bool) -> Path:
         path = self.folder / f"step_{step:08d}.pt"
