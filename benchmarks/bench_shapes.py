@@ -2,10 +2,12 @@
 
     python benchmarks/bench_shapes.py [experiment=multi30k] [data.root=DIR] [--budgets 512,1024,2048,4096,16384]
     python benchmarks/bench_shapes.py --synthetic 200000 --budgets 3300,16384   # transformer-bench's lengths
+    python benchmarks/bench_shapes.py experiment=multi30k data.root=DIR --steps 4,8,16   # trainer.shape_steps
 
-For each token budget, one epoch as the sampler plans it, without and with static shapes: batches, distinct
-(rows, source, target) shapes the model would see, and the share of the computed source+target positions that
-is padding (to each batch's longest sentence; with static shapes, to the static shape's rows and lengths).
+For each token budget, one epoch as the sampler plans it, without and with static shapes (a column pair per
+ladder of `--steps` lengths an octave): batches, distinct (rows, source, target) shapes the model would see, and
+the share of the computed source+target positions that is padding (to each batch's longest sentence; with static
+shapes, to the static shape's rows and lengths).
 """
 import argparse
 import sys
@@ -28,6 +30,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", default=["experiment=multi30k"])
     p.add_argument("--budgets", default="512,1024,2048,4096,16384")
+    p.add_argument("--steps", default="4", help="trainer.shape_steps values, comma-separated (default 4)")
     p.add_argument("--synthetic", type=int, metavar="N",
                    help="N pairs of transformer-bench's synthetic lengths (bench.length_mean, ...) instead of data")
     args = p.parse_args(argv)
@@ -41,19 +44,22 @@ def main(argv=None) -> None:
         name = " ".join(args.overrides)
     real = int(src.sum() + tgt.sum())
     print(f"{name}: {len(src)} pairs, {real} source+target tokens (specials included)")
-    print("| max_tokens | batches plain / static | distinct shapes plain / static | padding share plain / static |")
+    ladders = [int(x) for x in args.steps.split(",")]
+    static = " / ".join(f"static {n}" for n in ladders)
+    print(f"| max_tokens | batches plain / {static} | distinct shapes plain / {static} | "
+          f"padding share plain / {static} |")
     print("|---|---|---|---|")
     for budget in (int(b) for b in args.budgets.split(",")):
         row = []
-        for static in (False, True):
+        for steps in [None, *ladders]:
             batches = TokenBatchSampler(src, tgt, budget, cfg.data.max_sentences, seed=cfg.seed,
-                                        static_shapes=static).epoch_batches(0)
-            shapes = [static_shape(int(src[b].max()), int(tgt[b].max()), budget, cfg.data.max_sentences) if static
-                      else (len(b), int(src[b].max()), int(tgt[b].max())) for b in batches]
+                                        static_shapes=steps is not None, shape_steps=steps or 4).epoch_batches(0)
+            shapes = [static_shape(int(src[b].max()), int(tgt[b].max()), budget, cfg.data.max_sentences, steps)
+                      if steps else (len(b), int(src[b].max()), int(tgt[b].max())) for b in batches]
             padded = sum(R * (S + T) for R, S, T in shapes)
             row.append((len(batches), len(set(shapes)), 1 - real / padded))
-        (b0, s0, w0), (b1, s1, w1) = row
-        print(f"| {budget:,} | {b0:,} / {b1:,} | {s0} / {s1} | {100 * w0:.1f} % / {100 * w1:.1f} % |")
+        print(f"| {budget:,} | {' / '.join(f'{b:,}' for b, _, _ in row)} | {' / '.join(str(n) for _, n, _ in row)} | "
+              f"{' / '.join(f'{100 * w:.1f} %' for _, _, w in row)} |")
 
 
 if __name__ == "__main__":

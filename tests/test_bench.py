@@ -364,7 +364,8 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     todo, skipped = bench_gpu.plan(args, keys)
     assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
     assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual", "fp8", "compile+fp8",
-                                                "cuda_graphs", "all", "compile+unpadded", "compile+pad1"}
+                                                "cuda_graphs", "cuda_graphs+steps8", "all", "compile+unpadded",
+                                                "compile+pad1"}
 
 
 def test_each_test_reports_its_outcome_as_it_ends(tmp_path):

@@ -128,3 +128,9 @@ def test_attention_dropout_out_of_range_is_refused_with_its_key():
         validate(compose_cfg("model.attention_dropout=1.0"))
     validate(compose_cfg("model.attention_dropout=0"))
     validate(compose_cfg("model.attention_dropout=null"))
+
+
+def test_shape_steps_off_the_ladders_is_refused_with_its_key():
+    with pytest.raises(ConfigError, match=r"trainer.shape_steps=3: must be one of 2, 4, 8, 16"):
+        validate(compose_cfg("trainer.shape_steps=3"))
+    validate(compose_cfg("trainer.shape_steps=8", "trainer.static_shapes=true"))

@@ -33,6 +33,23 @@ def test_the_length_ladder_pads_by_at_most_3_up_to_32_and_by_under_a_quarter_abo
         assert shape_length(L) == L  # a ladder length is its own shape
 
 
+@pytest.mark.parametrize("steps,fine,top", [(2, 8, 1.5), (8, 2, 1.125), (16, 1, 1.0625)])
+def test_finer_ladders_pad_less_and_keep_their_octave_steps(steps, fine, top):
+    """trainer.shape_steps: `steps` lengths an octave; multiples of 32 / (2 steps) up to 32, above it under a
+    (2 steps)-th of the length; every ladder of the coarser one is also on the finer one."""
+    ladder = sorted({shape_length(n, steps) for n in range(1, 1025)})
+    assert len(ladder) == 32 // fine + steps * 5
+    for n in range(1, 1025):
+        L = shape_length(n, steps)
+        assert L >= n and L % fine == 0 and (L - n < fine if n <= 32 else L < top * n)
+        assert shape_length(L, steps) == L
+    if steps > 2:
+        assert {shape_length(n, steps // 2) for n in range(1, 1025)} <= set(ladder)
+    assert shape_length(33, 8) == 36 and shape_length(13, 8) == 14 and shape_length(13, 16) == 13
+    with pytest.raises(ValueError, match="trainer.shape_steps=3"):
+        shape_length(10, 3)
+
+
 def _grads(model, src, tgt_in, tgt_out):
     model.zero_grad(set_to_none=True)
     loss, nll = label_smoothed_cross_entropy(model(src, tgt_in), tgt_out, 0.1, PAD)
@@ -77,25 +94,33 @@ def multi30k_like_sizes(n=29000, seed=0):
     return src + 1, tgt + 1
 
 
+def static_epoch(budget: int, steps: int):
+    """(batches, shapes, padding share) of one epoch of Multi30k-like lengths with static shapes of `steps`."""
+    src, tgt = multi30k_like_sizes()
+    batches = TokenBatchSampler(src, tgt, budget, seed=1, static_shapes=True, shape_steps=steps).epoch_batches(0)
+    assert sorted(np.concatenate(batches).tolist()) == list(range(len(src)))  # every pair once
+    shapes = [static_shape(int(src[b].max()), int(tgt[b].max()), budget, steps=steps) for b in batches]
+    for b, (R, S, T) in zip(batches, shapes, strict=True):
+        assert len(b) <= R and R * max(S, T) <= budget  # padded, the batch still fits the budget
+    return batches, shapes, 1 - int(src.sum() + tgt.sum()) / sum(R * (S + T) for R, S, T in shapes)
+
+
 @pytest.mark.parametrize("budget", [2048, 4096])
 def test_an_epoch_of_static_shapes_uses_few_shapes_within_the_token_budget(budget):
     src, tgt = multi30k_like_sizes()
-    sampler = TokenBatchSampler(src, tgt, budget, seed=1, static_shapes=True)
     plain = TokenBatchSampler(src, tgt, budget, seed=1)
-    batches = sampler.epoch_batches(0)
-    assert sorted(np.concatenate(batches).tolist()) == list(range(len(src)))  # every pair once
-    shapes = [static_shape(int(src[b].max()), int(tgt[b].max()), budget) for b in batches]
-    for b, (R, S, T) in zip(batches, shapes, strict=True):
-        assert len(b) <= R and R * max(S, T) <= budget  # padded, the batch still fits the budget
+    batches, shapes, padding = static_epoch(budget, 4)
     distinct = set(shapes)
     assert len(distinct) <= 24, sorted(distinct)
-    real = int(src.sum() + tgt.sum())
-    padded = sum(R * (S + T) for R, S, T in shapes)
-    assert real / padded > 0.8  # under a fifth of the computed positions are padding (the coarser ladder: 0.8)
+    assert padding < 0.2  # under a fifth of the computed positions are padding (the coarser ladder: 0.2)
     assert len(batches) < 1.2 * len(plain.epoch_batches(0))  # batches hold fewer pairs, not far fewer
+    # Eight steps an octave: less padding, more shapes, every batch still within the budget.
+    _, finer, finer_padding = static_epoch(budget, 8)
+    assert finer_padding < 0.75 * padding and len(distinct) < len(set(finer)) <= 3 * len(distinct)
 
 
-def test_trainer_static_shapes_feed_only_static_shapes(tmp_path, monkeypatch):
+@pytest.mark.parametrize("steps", [4, 16])
+def test_trainer_static_shapes_feed_only_static_shapes(tmp_path, monkeypatch, steps):
     from transformer.training import speedups
     seen = []
     real = speedups.prepare_batch
@@ -106,14 +131,15 @@ def test_trainer_static_shapes_feed_only_static_shapes(tmp_path, monkeypatch):
                      batch.n_tokens))
         return out
     monkeypatch.setattr(speedups, "prepare_batch", spy)
-    t = make_trainer(tmp_path, *FP32, "trainer.static_shapes=true", "trainer.accumulate=2")
+    t = make_trainer(tmp_path, *FP32, "trainer.static_shapes=true", "trainer.accumulate=2",
+                     f"trainer.shape_steps={steps}")
     window, flag = TrainWindow(), LaggedFlag()
     epoch = list(t.data.train_loader(0))
     for i in range(0, len(epoch) - 1, 2):
         t._train_step(epoch[i:i + 2], window, flag)
     assert seen and all(tokens == n for _, _, tokens, n in seen)
     assert len({(s, tg) for s, tg, _, _ in seen}) == 1  # the copy task: one length, so one shape
-    assert all(s[0] == 200 // max(s[1], tg[1]) and shape_length(s[1]) == s[1] for s, tg, _, _ in seen)
+    assert all(s[0] == 200 // max(s[1], tg[1]) and shape_length(s[1], steps) == s[1] for s, tg, _, _ in seen)
 
 
 def graph_safe_trainer(tmp_path, *overrides, env=None, rank=0, world_size=1):

@@ -14,7 +14,7 @@ from typing import Any, List, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from transformer.data.config import DataConfig, TokenizerConfig
+from transformer.data.config import SHAPE_STEPS, DataConfig, TokenizerConfig
 
 # An absolute path: Hydra reads a relative config_path as a Python package, which fails outside the repository.
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -115,6 +115,9 @@ class TrainerConfig:
     # lengths on a ladder (multiples of 4 to 32, then 4 steps an octave), rows from data.max_tokens; padding rows carry
     # no loss. Few shapes for torch.compile and CUDA graphs, at the cost of padding (transformer-bench reports it).
     static_shapes: bool = False
+    # Ladder lengths an octave (2, 4, 8 or 16): 8 halves the ladder's padding (multiples of 2 to 32, then 8 steps an
+    # octave) for about twice the shapes, each a CUDA graph captured once (benchmarks/bench_shapes.py counts both).
+    shape_steps: int = 4
     # CUDA: each static shape's forward+backward and the update replayed as CUDA graphs, the gradient all-reduce
     # eager between them (transformer/training/graphs.py); implies static_shapes. Not with fp16, unpadded
     # attention or activation checkpointing.
@@ -322,6 +325,8 @@ def check_trainer(t) -> None:
         on = t[key] == "fp16" if key == "precision" else t[key]
         _check(not (on and t.cuda_graphs), "trainer.cuda_graphs", True,
                f"not with trainer.{key}={str(t[key]).lower()}: {conflict}")
+    _check(t.shape_steps in SHAPE_STEPS, "trainer.shape_steps", t.shape_steps,
+           f"must be one of {', '.join(map(str, SHAPE_STEPS))}")
     _check(not (t.static_shapes and t.unpadded_attention), "trainer.static_shapes", True,
            "not with trainer.unpadded_attention=true: it packs the real tokens into shapes that vary")
 

@@ -4,6 +4,8 @@ from typing import Dict, List, Optional
 
 from omegaconf import MISSING
 
+SHAPE_STEPS = (2, 4, 8, 16)  # trainer.shape_steps: static-shape ladder lengths an octave (data/shapes.py)
+
 
 @dataclass
 class CopyConfig:

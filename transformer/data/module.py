@@ -6,6 +6,7 @@ import torch
 
 from transformer.data.batch import Batch, PairDataset, collate, packed_collate
 from transformer.data.sampler import TokenBatchSampler
+from transformer.data.shapes import STEPS
 
 
 def loader_workers(num_workers: Optional[int], device: torch.device) -> int:
@@ -77,12 +78,13 @@ class DataModule:
         self.valid_sampler = TokenBatchSampler(valid.src_sizes, valid.tgt_sizes, max_tokens, max_sentences,
                                                seed=seed, rank=rank, world_size=world_size, shuffle=False)
 
-    def use_static_shapes(self) -> None:
-        """trainer.static_shapes: training batches packed by ladder lengths (transformer/data/shapes.py), so
-        each padded to its static shape fits data.max_tokens. Before the first epoch is planned, or it is
-        planned again."""
-        self._sampler_args["static_shapes"] = True
-        self.train_sampler.static_shapes, self.train_sampler._cache = True, (None, None)
+    def use_static_shapes(self, steps: int = STEPS) -> None:
+        """trainer.static_shapes: training batches packed by ladder lengths of `steps` lengths an octave
+        (trainer.shape_steps; transformer/data/shapes.py), so each padded to its static shape fits
+        data.max_tokens. Before the first epoch is planned, or it is planned again."""
+        self._sampler_args.update(static_shapes=True, shape_steps=steps)
+        sampler = self.train_sampler
+        sampler.static_shapes, sampler.shape_steps, sampler._cache = True, steps, (None, None)
         self._epochs.clear()
 
     @property

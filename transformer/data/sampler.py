@@ -10,18 +10,19 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from transformer.data.shapes import shape_length
+from transformer.data.shapes import STEPS, shape_length
 
 
 class TokenBatchSampler:
     def __init__(self, src_sizes: np.ndarray, tgt_sizes: np.ndarray, max_tokens: int,
                  max_sentences: Optional[int] = None, seed: int = 0, rank: int = 0, world_size: int = 1,
-                 shuffle: bool = True, max_tokens_by_epoch: Sequence[int] = (), static_shapes: bool = False):
+                 shuffle: bool = True, max_tokens_by_epoch: Sequence[int] = (), static_shapes: bool = False,
+                 shape_steps: int = STEPS):
         """`*_sizes` are padded lengths (special tokens included). A batch of n pairs costs
         n * max(longest source, longest target) tokens, which must stay <= max_tokens, or, in the first
         len(max_tokens_by_epoch) epochs, <= the epoch's entry there (a ramp of batch sizes). With
-        `static_shapes` a length costs its ladder length (transformer/data/shapes.py), so the batch padded to
-        its static shape still fits the budget."""
+        `static_shapes` a length costs its ladder length (transformer/data/shapes.py, `shape_steps` lengths an
+        octave), so the batch padded to its static shape still fits the budget."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.src_sizes = np.asarray(src_sizes, dtype=np.int64)
@@ -29,7 +30,7 @@ class TokenBatchSampler:
         self.max_tokens, self.max_sentences = max_tokens, max_sentences or len(self.src_sizes)
         self.max_tokens_by_epoch = list(max_tokens_by_epoch)
         self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
-        self.static_shapes = static_shapes
+        self.static_shapes, self.shape_steps = static_shapes, shape_steps
         self._cache: tuple = (None, None)
         longest = int(np.maximum(self.src_sizes, self.tgt_sizes).max(initial=0))
         by_epoch = self.max_tokens_by_epoch
@@ -59,7 +60,8 @@ class TokenBatchSampler:
         order = order[np.argsort(key[order], kind="stable")]
         cost = size[order]
         if self.static_shapes:  # the ladder is non-decreasing in the size: the sorted order stays sorted
-            cost = np.array([shape_length(n) for n in range(int(size.max(initial=0)) + 1)], dtype=np.int64)[cost]
+            ladder = [shape_length(n, self.shape_steps) for n in range(int(size.max(initial=0)) + 1)]
+            cost = np.array(ladder, dtype=np.int64)[cost]
         batches = [order[a:b] for a, b in self._bounds(cost, self.tokens_of(epoch))]
         batches = self._split_to_multiple(batches)
         if self.shuffle:

@@ -68,7 +68,7 @@ class Trainer:
         data.packings = self.tcfg.unpadded_attention  # its batches carry host-made packings: no host sync
         self.static_shapes = self.tcfg.static_shapes or self.tcfg.cuda_graphs  # transformer/data/shapes.py
         if self.static_shapes:
-            data.use_static_shapes()
+            data.use_static_shapes(self.tcfg.shape_steps)
         self.step = self.epoch = self.batch_index = 0
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
         self.metric = task.metric(cfg.checkpoint.best_metric)  # checked against what the task measures
@@ -342,7 +342,8 @@ class Trainer:
         if not self.static_shapes:
             return None
         budget = self.data.train_sampler.tokens_of(self.epoch)
-        return static_shape(batch.src.size(1), batch.tgt_in.size(1), budget, self.cfg.data.max_sentences)
+        return static_shape(batch.src.size(1), batch.tgt_in.size(1), budget, self.cfg.data.max_sentences,
+                            self.tcfg.shape_steps)
 
     def _log_train(self, window: TrainWindow, grad_norm: Optional[torch.Tensor]) -> dict:
         """Logs the window's averages (its one host sync) and returns what the progress bar shows."""
