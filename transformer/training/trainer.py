@@ -87,17 +87,17 @@ class Trainer:
         self.graphs = GraphStep(self.model, self.net, self.optimizer, self.autocast, self.tcfg, self.guard,
                                 env, capture=env.device.type == "cuda",
                                 loss=parallel.loss) if self.tcfg.cuda_graphs else None
-        self.train_step = TrainStep(parallel, self.optimizer, self.scheduler, self.guard, self.graphs, env,
-                                    self.tcfg, self.pad_multiple)
+        self.stepper = TrainStep(parallel, self.optimizer, self.scheduler, self.guard, self.graphs, env,
+                                 self.tcfg, self.pad_multiple)  # one optimiser step (transformer/training/step.py)
 
     @property
     def timer(self) -> Optional[StepTimer]:
         """transformer-bench's phase timer, kept by the step."""
-        return self.train_step.timer
+        return self.stepper.timer
 
     @timer.setter
     def timer(self, timer: Optional[StepTimer]) -> None:
-        self.train_step.timer = timer
+        self.stepper.timer = timer
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -334,7 +334,7 @@ class Trainer:
 
     def _optimizer_step(self, micro) -> StepResult:
         """One optimiser step over the micro-batches `micro` (transformer/training/step.py), no host sync."""
-        return self.train_step(micro, self._static_shape, self._dropout,
+        return self.stepper(micro, self._static_shape, self._dropout,
                                lambda: (self.stop_signal is not None, *self._time_flags()))
 
     def _static_shape(self, batch) -> Optional[tuple]:
