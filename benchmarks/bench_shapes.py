@@ -21,7 +21,7 @@ import numpy as np  # noqa: E402
 from tests.helpers.cli import compose_cfg  # noqa: E402
 from transformer.data import build_data  # noqa: E402
 from transformer.data.sampler import TokenBatchSampler  # noqa: E402
-from transformer.data.shapes import static_shape  # noqa: E402
+from transformer.data.shapes import STEPS, static_shape  # noqa: E402
 from transformer.data.synthetic import synthetic_lengths  # noqa: E402
 from transformer.dist import DistEnv  # noqa: E402
 
@@ -30,7 +30,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("overrides", nargs="*", default=["experiment=multi30k"])
     p.add_argument("--budgets", default="512,1024,2048,4096,16384")
-    p.add_argument("--steps", default="4", help="trainer.shape_steps values, comma-separated (default 4)")
+    p.add_argument("--steps", default=str(STEPS), help="trainer.shape_steps values, comma-separated")
     p.add_argument("--synthetic", type=int, metavar="N",
                    help="N pairs of transformer-bench's synthetic lengths (bench.length_mean, ...) instead of data")
     args = p.parse_args(argv)
@@ -53,7 +53,7 @@ def main(argv=None) -> None:
         row = []
         for steps in [None, *ladders]:
             batches = TokenBatchSampler(src, tgt, budget, cfg.data.max_sentences, seed=cfg.seed,
-                                        static_shapes=steps is not None, shape_steps=steps or 4).epoch_batches(0)
+                                        static_shapes=steps is not None, shape_steps=steps or STEPS).epoch_batches(0)
             shapes = [static_shape(int(src[b].max()), int(tgt[b].max()), budget, cfg.data.max_sentences, steps)
                       if steps else (len(b), int(src[b].max()), int(tgt[b].max())) for b in batches]
             padded = sum(R * (S + T) for R, S, T in shapes)

@@ -55,7 +55,7 @@ def marian_config(args, dropout: Optional[float] = None):
     from transformers import MarianConfig
 
     p = args.dropout if dropout is None else dropout
-    attention = p if getattr(args, "attention_dropout", None) is None else args.attention_dropout
+    attention = p if args.attention_dropout is None else args.attention_dropout
     tgt_rows = args.src_vocab_size if args.tie_embeddings == "all" else args.tgt_vocab_size
     return MarianConfig(
         vocab_size=args.src_vocab_size, decoder_vocab_size=tgt_rows, d_model=args.d_model,
@@ -177,8 +177,8 @@ def _import_refusal(cfg: dict, fixed_ids: bool = True) -> Optional[str]:
 
 
 def _attention_dropout(cfg: dict) -> Optional[float]:
-    """model.attention_dropout of a Marian config: null where it equals `dropout` (this project's default);
-    released opus-mt models drop nothing in attention (0.0) and 0.1 elsewhere."""
+    """model.attention_dropout of a Marian config: null where it equals `dropout` (this project's default), its own
+    rate otherwise (MarianConfig's defaults: 0.0 there, 0.1 elsewhere)."""
     attention = cfg.get("attention_dropout")
     return None if attention is None or float(attention) == float(cfg["dropout"]) else float(attention)
 
