@@ -72,6 +72,36 @@ def test_second_ctrl_c_aborts_and_a_repeated_first_one_does_not(monkeypatch):
         stop.close()
 
 
+def test_a_second_ctrl_c_mid_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    """The abort skips every `finally` (os._exit) and may interrupt a checkpoint being written: what the folder
+    holds when the process ends has no temporary file of that write, nor of an atomic_link."""
+    from transformer.atomic import atomic_open
+    from transformer.training.checkpoint import atomic_link
+
+    class Exited(BaseException):
+        pass
+
+    at_exit = []
+
+    def exit_now(code):  # os._exit: nothing after it runs, so the folder is judged here
+        at_exit.append((code, sorted(p.name for p in tmp_path.iterdir())))
+        raise Exited
+
+    monkeypatch.setattr(launcher.os, "_exit", exit_now)
+    (tmp_path / "step_00000001.pt").write_bytes(b"")
+    with pytest.raises(Exited), atomic_open(tmp_path / "step_00000002.pt") as f:
+        f.write(b"half a checkpoint")
+        assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())
+        launcher.abort()  # what the handler of a second Ctrl-C calls, here in mid-write
+
+    def abort_before_rename(src, dst):  # the abort lands between the link and its rename
+        launcher.abort()
+    monkeypatch.setattr("transformer.training.checkpoint.os.replace", abort_before_rename)
+    with pytest.raises(Exited):
+        atomic_link(tmp_path / "step_00000001.pt", tmp_path / "last.pt")
+    assert at_exit == [(exit_codes.ABORTED, ["step_00000001.pt"])] * 2
+
+
 def test_ctrl_c_checkpoints_exits_3_and_resumes(tmp_path):
     run = tmp_path / "run"
     proc = popen(train_cmd(*TINY, f"hydra.run.dir={run}", *LONG), tmp_path)

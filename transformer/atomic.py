@@ -29,6 +29,28 @@ def _umask() -> int:
     return mask
 
 
+# Temporary files of this process's writes in progress. An exit that runs no `finally` (a second Ctrl-C's
+# os._exit, from a signal handler that may interrupt a checkpoint mid-write) removes them with remove_pending().
+_PENDING: set = set()
+
+
+@contextlib.contextmanager
+def pending(tmp) -> Iterator[None]:
+    """Marks `tmp` as a write in progress for the duration of the block."""
+    _PENDING.add(str(tmp))
+    try:
+        yield
+    finally:
+        _PENDING.discard(str(tmp))
+
+
+def remove_pending() -> None:
+    """Deletes the temporary files of the writes in progress (for an exit that skips their cleanup)."""
+    for tmp in list(_PENDING):
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
 def fsync_dir(folder) -> None:
     """Makes a rename in `folder` durable. Some file systems cannot fsync a folder: skipped there."""
     try:
@@ -54,14 +76,15 @@ def atomic_open(path, mode: str = "wb", suffix: str = ".tmp", encoding: str | No
         e.filename = str(path)  # not the temporary name: the file the caller asked for
         raise
     try:
-        with contextlib.suppress(OSError):  # a file system without Unix modes keeps its own
-            os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, mode, encoding=encoding) as f:
-            yield f
-            injected_fault(path)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with pending(tmp):
+            with contextlib.suppress(OSError):  # a file system without Unix modes keeps its own
+                os.fchmod(fd, 0o666 & ~_umask())
+            with os.fdopen(fd, mode, encoding=encoding) as f:
+                yield f
+                injected_fault(path)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     except BaseException as e:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(e, OSError) and e.filename in (None, tmp):

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from transformer.atomic import atomic_open, fsync_dir
+from transformer.atomic import atomic_open, fsync_dir, pending
 from transformer.checkpoint_files import FOLDER, FORMAT, CheckpointError, step_files
 from transformer.config import schema_defaults
 from transformer.environment import machine_error
@@ -89,18 +89,19 @@ def atomic_link(src: Path, dst: Path) -> None:
     """Point `dst` at the same file as `src` (hard link; a copy where links are not supported), atomically."""
     tmp = dst.with_name(f".{dst.name}.link.tmp")
     tmp.unlink(missing_ok=True)
-    try:
-        os.link(src, tmp)
-    except OSError as e:
-        if machine_error(e) is not None:  # a full disk: no copy would fit either
-            raise
-        import shutil
+    with pending(tmp):
         try:
-            shutil.copyfile(src, tmp)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-    os.replace(tmp, dst)
+            os.link(src, tmp)
+        except OSError as e:
+            if machine_error(e) is not None:  # a full disk: no copy would fit either
+                raise
+            import shutil
+            try:
+                shutil.copyfile(src, tmp)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+        os.replace(tmp, dst)
     fsync_dir(dst.parent)
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from transformer import dist, exit_codes
-from transformer.atomic import write_text_atomic
+from transformer.atomic import remove_pending, write_text_atomic
 from transformer.config import ConfigError, from_container, to_container
 from transformer.data import build_data
 from transformer.data.download import DownloadError
@@ -147,7 +147,9 @@ def second_ctrl_c(signum: int, first: Optional[float]) -> bool:
 
 
 def abort() -> None:
-    """Ends this process at once, from a signal handler: no checkpoint, no flushed log, no cleanup."""
+    """Ends this process at once, from a signal handler: no checkpoint, no flushed log, no cleanup but the
+    temporary file of a write it interrupts (a checkpoint being saved), so nothing is left half-written."""
+    remove_pending()
     if dist.get_env().is_main:
         os.write(2, b"aborted by a second Ctrl-C: nothing written since the last checkpoint; rerun the same "
                     b"command to resume from it\n")
