@@ -251,9 +251,9 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
              f"{header['commit']}; synthetic batches; MFU on real tokens (computed FLOPs, padding included, in "
              f"brackets); tok/s: all repeats' mean (median, min-max of the repeats)", "",
              "| workload | switches | max_tokens | compute / loss | target tok/s | step ms | MFU real (computed) | "
-             "waste pad / pad-to-multiple | GPU busy | kernel ms / launches per step | syncs/step (flag waits) | "
-             "peak GiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "waste pad / pad-to-multiple | GPU busy | kernel ms / launches per step | host ms / step | "
+             "syncs/step (flag waits) | peak GiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         sp = r["tgt_tokens_per_s_spread"]
         syncs = "n/a" if r["host_syncs_per_step"] is None else f"{r['host_syncs_per_step']:.2f}"
@@ -262,9 +262,9 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
             f"{r['tgt_tokens_per_s']:,.0f} ({sp['median']:,.0f}, {sp['min']:,.0f}-{sp['max']:,.0f}) | "
             f"{r['step_ms']:.1f} | {_pct(r['mfu'])} ({_pct(r['mfu_computed'])}) | "
             f"{_pct(r['waste_padding'])} / {_pct(r['waste_pad_multiple'])} | {_pct(r['busy'])} | {_kernels(r)} | "
-            f"{syncs} ({r['flag_waits_per_step']:.2f}) | {r['peak_mem_gb']:.1f} |")
+            f"{_host(r)} | {syncs} ({r['flag_waits_per_step']:.2f}) | {r['peak_mem_gb']:.1f} |")
     for s in skipped:
-        lines.append(f"| {s['workload']} | {s['switches']} | | | {s['why']} | | | | | | | |")
+        lines.append(f"| {s['workload']} | {s['switches']} | | | {s['why']} | | | | | | | | |")
     if loss_text:
         lines += ["", "```", loss_text.strip(), "```"]
     profiled = [r for r in records if r.get("top_ops")]
@@ -286,6 +286,11 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
         lines += [f"| {r['workload']} | {r['switches']} | " + " | ".join(
             f"{r['kernel_account']['families'].get(f, 0.0):.2f}" for f in names) + " |" for r in families]
     return "\n".join(lines)
+
+
+def _host(r: dict) -> str:
+    """The host's time a step (data wait and queuing the step), from records that have it."""
+    return f"{r['host_step_ms']:.1f}" if r.get("host_step_ms") is not None else "n/a"
 
 
 def _kernels(r: dict) -> str:

@@ -1,5 +1,6 @@
 """transformer-bench on CPU: a sane table and JSON line, no files left behind, bad input in one line."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,11 @@ def test_bench_prints_a_sane_table_and_json_line(tmp_path):
     parts = [r[k] for k in ("data_wait_ms", "forward_backward_ms", "optimizer_ms", "other_ms")]
     assert all(p >= 0 for p in parts) and r["forward_backward_ms"] > 0 and r["communication_ms"] is None
     assert sum(parts) == pytest.approx(r["step_ms"], rel=0.02)
+    # The host's own time: on a CPU the phases themselves (one worker's communication phase is the statistics).
+    assert r["host_ms"]["forward_backward"] == pytest.approx(r["forward_backward_ms"])
+    assert r["host_ms"]["optimizer"] == pytest.approx(r["optimizer_ms"]) and r["host_ms"]["communication"] >= 0
+    assert r["host_step_ms"] == pytest.approx(r["data_wait_ms"] + sum(r["host_ms"].values()))
+    assert r["host_step_ms"] <= r["step_ms"] * 1.001
     # FLOP rate = FLOPs per step x steps x repeats / time; MFU against the given peak.
     assert r["flops_per_step"] > 1e6
     assert r["achieved_tflops"] * 1e12 == pytest.approx(r["flops_per_step"] * 3 * 2 / r["wall_s"], rel=1e-3)
@@ -67,7 +73,7 @@ def test_bench_prints_a_sane_table_and_json_line(tmp_path):
     assert r["kernel_account"]["ops"] > sum(t["calls"] for t in r["top_ops"])  # every operator, not the top's
     assert all(a["self_ms"] >= b["self_ms"] > 0 for a, b in zip(r["top_ops"], r["top_ops"][1:], strict=False))
     for row in ("target tokens/s (real)", "forward+backward", "model FLOPs / step", "waste: padding", "MFU",
-                "top ", "operators by self CPU time", "operators / step"):
+                "top ", "operators by self CPU time", "operators / step", "host time / step", "then queuing"):
         assert row in res.stdout
     assert list(tmp_path.iterdir()) == []  # no run directory, no .hydra, no outputs/
 
@@ -430,7 +436,7 @@ def test_bench_gpu_tier_cut_short_still_names_its_failures(tmp_path, monkeypatch
 
 @pytest.mark.slow
 def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_families():
-    """A GPU record's kernel account reaches the summary: kernel ms and launches in its row, and one row of
+    """A GPU record's kernel account reaches the summary: kernel ms, launches and host ms in its row, one row of
     kernel time by family per profiled run, families ordered by their total time."""
     markdown = load_benchmark("bench_gpu").markdown
     header = {"device": "NVIDIA H200", "date": "2026-11-28", "torch": "2.11.0", "cuda": "13.0", "commit": "abc1234"}
@@ -442,13 +448,14 @@ def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_famil
                 "step_ms": 46.2, "mfu": 0.121, "mfu_computed": 0.147, "waste_padding": 0.061,
                 "waste_pad_multiple": 0.113, "busy": 0.46, "host_syncs_per_step": 0.0, "flag_waits_per_step": 0.0,
                 "peak_mem_gb": 15.3, "top_ops": [{"name": "nvjet", "calls": 22, "self_ms": 1.1, "share": 0.1}],
+                "host_step_ms": 44.04 if switches == "eager" else None,
                 "top_ops_kind": "kernels_self_device", "profile_steps": 5,
                 "kernel_account": {"kernels": 900.0, "kernel_ms": sum(families.values()), "launches": launches,
                                    "families": families}}
 
     md = markdown(header, [rec("eager", {"matmul": 12.0, "attention": 4.5}, 2400.0),
                            rec("all", {"matmul": 11.0, "compiled (Triton)": 9.0}, 3.0)], [])
-    assert "| 16.5 / 2,400 |" in md and "| 20.0 / 3 |" in md
+    assert "| 16.5 / 2,400 | 44.0 |" in md and "| 20.0 / 3 | n/a |" in md  # host ms: a record without it, n/a
     assert "| workload | switches | matmul | compiled (Triton) | attention |" in md
     assert "| base@16k | eager | 12.00 | 0.00 | 4.50 |" in md and "| base@16k | all | 11.00 | 9.00 | 0.00 |" in md
 
@@ -480,3 +487,18 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     loss = [r for r in records if r["kind"] == "loss"]  # the loss benchmark: fused, compiled, reference
     assert len(loss) == 1 and loss[0]["returncode"] == 0 and "compiled" in loss[0]["output"]
     assert loss[0]["output"].strip() in md
+
+
+def test_bench_host_times_the_host_side_of_the_graph_step(tmp_path):
+    """benchmarks/bench_host.py runs the CUDA-graph step's host side on a CPU, its graphs stubbed out, and prints
+    the host's time a step split into the data wait and the rest."""
+    res = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_host.py"),
+                          "--steps", "5", "--workers", "0", "--profile", "3"],
+                         cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    head, split = res.stdout.splitlines()[:2]
+    assert head.startswith("host: 2 + 2 layers, ") and "0 loader workers" in head and "5 steps (profiled)" in head
+    step, data, rest = map(float, re.fullmatch(r" +([\d.]+) ms a step: waiting for data ([\d.]+), the rest ([\d.]+)",
+                                               split).groups())
+    assert 0 < rest and 0 <= data and step == pytest.approx(data + rest, abs=2e-3)
+    assert "Ordered by: internal time" in res.stdout

@@ -24,7 +24,7 @@ from transformer.data.copy import CopyData
 from transformer.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
 from transformer.model import Transformer
 from transformer.tasks import build_task
-from transformer.training.hotpath import LaggedFlag, TrainWindow
+from transformer.training.hotpath import LaggedFlag, StepTimer, TrainWindow
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.parallelize import parallelize
 from transformer.training.trainer import Trainer
@@ -100,6 +100,46 @@ def test_steps_between_logged_lines_read_nothing_on_the_host(tmp_path, spy):
         shown = t._log_train(window, result.grad_norm)
     assert s.seen == ["tolist"]  # the logged line: one read for tokens, loss, nll and grad norm together
     assert shown["loss"] > 0 and shown["tok/s"] > 0
+
+
+def test_the_step_sets_training_mode_only_when_a_module_left_it(tmp_path, monkeypatch):
+    """The step no longer walks the module tree with train() every step (host time a host-bound GPU step waits
+    for), but a module left in eval (validation, or any one submodule) is back in training mode, its dropout
+    on, before the next forward."""
+    t = make_trainer(tmp_path, "model.dropout=0.1")
+    batches = iter(t.data.train_loader(0))
+    window, flag = TrainWindow(), LaggedFlag()
+    calls = []
+    train = type(t.net).train
+    monkeypatch.setattr(type(t.net), "train", lambda self, mode=True: calls.append(mode) or train(self, mode))
+    t._train_step([next(batches)], window, flag)
+    t._train_step([next(batches)], window, flag)
+    assert calls == []  # built in training mode: nothing to set
+    t.model.decoder[0].self_attn.eval()  # one submodule, as a careless caller might leave it
+    seen = []
+    hook = t.model.decoder[0].self_attn.register_forward_pre_hook(lambda m, args: seen.append(m.training))
+    t._train_step([next(batches)], window, flag)
+    assert calls == [True] and seen == [True] and all(m.training for m in t.net.modules())
+    t.model.eval()  # as validation leaves it (eval() is train(False): recorded too)
+    t._train_step([next(batches)], window, flag)
+    hook.remove()
+    assert calls == [True, False, True] and seen == [True, True] and all(m.training for m in t.net.modules())
+
+
+def test_step_timer_reads_the_host_clock_at_every_mark(monkeypatch):
+    """transformer-bench's host time a phase: the mean over steps of the host clock between marks (on a GPU
+    beside the device events; on a CPU the phases themselves)."""
+    from transformer.training import hotpath
+    clock = iter([0.0, 0.004, 0.005, 0.007,  1.0, 1.006, 1.009, 1.010])  # two steps: start, three marks
+    monkeypatch.setattr(hotpath.time, "perf_counter", lambda: next(clock))
+    timer = StepTimer(torch.device("cpu"))
+    for _ in range(2):
+        timer.start()
+        for phase in ("forward_backward", "communication", "optimizer"):
+            timer.mark(phase)
+    host = timer.host_summary()
+    assert host == pytest.approx({"forward_backward": 5.0, "communication": 2.0, "optimizer": 1.5})
+    assert timer.summary() == host  # a CPU runs its kernels synchronously: the host clock is the step's
 
 
 def test_the_spy_sees_what_the_old_step_did(spy):

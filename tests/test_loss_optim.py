@@ -308,3 +308,44 @@ def test_parallelize_says_when_auto_takes_the_compiled_loss(monkeypatch, caplog)
         monkeypatch.setattr(parallelize_module, "choose_loss", lambda loss, device, graphs: "compiled")
         assert parallelize_module.parallelize(model, cfg, cpu).loss == "compiled"
     assert "trainer.loss=auto: the compiled label-smoothed loss" in caplog.text
+
+
+def test_normalising_and_clipping_ride_fused_adams_read_of_the_gradients(tmp_path):
+    """The step's gradients are normalised by its tokens and clipped by one scale that fused Adam applies as it
+    reads them (`grad_scale`): the same update and gradient norm as normalising in place, then
+    clip_grad_norm_ (the path fp16's grad scaler still takes), to float rounding, with one pass over the
+    gradients (their norms, shared by the non-finite flag) where that path made four."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tests.test_trainer import make_trainer
+    from transformer.training.hotpath import LaggedFlag, TrainWindow
+
+    class Passes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("_foreach_norm", "_foreach_mul_", "_fused_adam_"):
+                self.seen.append(name)
+            return func(*args, **(kwargs or {}))
+
+    fold, plain = (make_trainer(tmp_path / name, "trainer.clip_norm=0.5", "model.dropout=0.0")
+                   for name in ("fold", "plain"))
+    plain.guard.can_skip = False  # the in-place path
+    batches = list(fold.data.train_loader(0))[:4]
+    norms = {}
+    for name, t in (("fold", fold), ("plain", plain)):
+        window, flag, seen = TrainWindow(), LaggedFlag(), []
+        for b in batches:
+            with Passes() as passes:
+                result, _ = t._train_step([b], window, flag)
+            seen.append(passes.seen)
+            norms.setdefault(name, []).append(float(result.grad_norm))
+        assert seen[-1] == (["_foreach_norm", "_fused_adam_"] if name == "fold" else
+                            ["_foreach_norm", "_foreach_mul_", "_foreach_norm", "_foreach_mul_", "_fused_adam_"])
+    assert max(norms["fold"]) > 0.5  # clipping acted
+    assert norms["fold"] == pytest.approx(norms["plain"], rel=1e-5)
+    for a, b in zip(fold.model.parameters(), plain.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

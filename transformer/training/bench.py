@@ -189,14 +189,14 @@ def measure(trainer, b) -> dict:
         windows.append((time.perf_counter() - t0, totals))
     trainer.timer = None
     progress.close()
-    phases = timer.summary()
+    phases, host_phases = timer.summary(), timer.host_summary()
     graphs = speedups.compiled_graphs()
     prof = None
     if b.profile:
         prof = profile_window(lambda n: run_steps(trainer, batches, n, Progress(None, 0, False)),
                               lambda: _sync(device), device, b.profile_steps, b.top)
     return {"steps": steps, "windows": windows, "flag_waits": flag.waits, "warmup_s": warmup_s,
-            "warmup_steps": b.warmup + settled, "phases": phases,
+            "warmup_steps": b.warmup + settled, "phases": phases, "host_phases": host_phases,
             "profile": prof,
             "graphs": graphs if trainer.tcfg.compile else None,
             "graphs_during_timed": (graphs - graphs_warm) if trainer.tcfg.compile and graphs is not None else None,
@@ -291,6 +291,8 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "tgt_tokens_per_s_spread": _spread(per_window),
         "target_padding": 1 - tgt / max(slots, 1), "step_ms": step_ms,
         **split,
+        # the host's own time queuing each phase (on a CPU, the phases themselves), and with the data wait
+        "host_ms": m["host_phases"], "host_step_ms": split["data_wait_ms"] + sum(m["host_phases"].values()),
         "peak_mem_gb": m["peak_mem_gb"], "peak_mem_kind": "cuda_max_allocated" if name != "cpu" else "process_rss",
         "flops_per_step": flops, "flops_computed_per_step": flops_run,
         "waste_padding": (t.flops_batch - t.flops_real) / max(t.flops_run, 1),

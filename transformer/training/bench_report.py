@@ -3,6 +3,15 @@ JSON line printed after it carries the same numbers)."""
 from transformer.training.profiling import top_table
 
 
+def host_line(r: dict) -> str:
+    """The host's time a step: waiting for data, then queuing each phase. Near the step time, the host sets the
+    pace (or waits on a full launch queue: the kernel time below tells which); well under it, the device."""
+    names = {"forward_backward": "forward+backward", "communication": "statistics", "optimizer": "update"}
+    phases = ", ".join(f"{names.get(k, k)} {v:.2f}" for k, v in r["host_ms"].items())
+    return (f"{r['host_step_ms']:9.2f} ms  {100 * r['host_step_ms'] / r['step_ms']:5.1f}%  (data wait "
+            f"{r['data_wait_ms']:.2f}, then queuing {phases})")
+
+
 def table(r: dict) -> str:
     """The human-readable report (the JSON line carries the same numbers)."""
     def ms(key):
@@ -36,6 +45,7 @@ def table(r: dict) -> str:
         ("  communication", ms("communication_ms")),
         ("  optimizer", ms("optimizer_ms")),
         ("  other (host, not overlapped)", ms("other_ms")),
+        ("host time / step", host_line(r)),
         ("peak memory", f"{r['peak_mem_gb']:.2f} GiB ({r['peak_mem_kind']})"),
         ("model FLOPs / step", f"{r['flops_per_step'] / 1e12:.4g} TFLOP on real tokens (per worker); "
                                f"{r['flops_computed_per_step'] / 1e12:.4g} computed"),

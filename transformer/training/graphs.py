@@ -34,6 +34,7 @@ import torch
 from transformer.config import ConfigError
 from transformer.specials import PAD
 from transformer.training.loss import label_smoothed_cross_entropy
+from transformer.training.optim import gradient_scale, scaled_gradients
 
 WARMUP = 3  # eager iterations on a side stream before a capture (torch's documented pattern)
 
@@ -145,11 +146,13 @@ class GraphStep:
         return self.grad_norm.clone() if self.tcfg.clip_norm is not None else None
 
     def _update(self) -> None:
-        # gradients of losses summed over all tokens of all workers -> the gradient of the mean over those tokens
-        self.flat.mul_((1.0 / self.stats[0].clamp(min=1.0)).float())
-        if self.tcfg.clip_norm is not None:
-            self.grad_norm.copy_(torch.nn.utils.clip_grad_norm_(self.params, self.tcfg.clip_norm))
-        with self.guard.skipping(self.optimizer, self.stats):
+        # gradients of losses summed over all tokens of all workers -> the gradient of the mean over those tokens,
+        # and clipped: one scale that fused Adam applies as it reads them (the ordinary step's arithmetic)
+        factor = (1.0 / self.stats[0].clamp(min=1.0)).float()
+        scale, grad_norm = gradient_scale(torch._foreach_norm(self.grads), factor, self.tcfg.clip_norm)
+        if grad_norm is not None:
+            self.grad_norm.copy_(grad_norm)
+        with self.guard.skipping(self.optimizer, self.stats), scaled_gradients(self.optimizer, scale):
             self.optimizer.step()
         self.flat.zero_()
         for t in (self.tokens, self.loss_sum, self.nll_sum):

@@ -66,6 +66,26 @@ def step_result(stats: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> StepR
     return StepResult(stats[0], stats[1], stats[2], grad_norm, stats)
 
 
+class LoopKeys(NamedTuple):
+    """The config keys the training loop reads every step, read once: each read of an OmegaConf node is
+    host time that a host-bound GPU step waits for (docs/performance.md, "The host")."""
+    max_steps: Optional[int]
+    max_epochs: Optional[int]
+    max_minutes: Optional[float]
+    anneal: float  # optim.anneal
+    log_every: int
+    val_every: int
+    every_steps: int  # checkpoint.every_steps
+    max_sentences: Optional[int]  # data.max_sentences
+    shape_steps: int
+
+    @classmethod
+    def of(cls, cfg) -> "LoopKeys":
+        t = cfg.trainer
+        return cls(t.max_steps, t.max_epochs, t.max_minutes, cfg.optim.anneal, t.log_every, t.val_every,
+                   cfg.checkpoint.every_steps, cfg.data.max_sentences, t.shape_steps)
+
+
 class TrainWindow:
     """Sums of the steps since the last logged line: tokens, loss and nll on the device, steps and the
     start time on the host. `read()` is the one synchronisation per logged line."""
@@ -148,34 +168,44 @@ def _positive(values: List[float], dim: int) -> Union[bool, Tuple[bool, ...]]:
 class StepTimer:
     """Where a step's time goes, for `transformer-bench`: `start()` then `mark(phase)` at each phase's end.
     CUDA events on a GPU (recorded on the stream, read once by `summary()`, so timing adds no sync),
-    perf_counter on the CPU, where kernels run synchronously."""
+    perf_counter on the CPU, where kernels run synchronously. The host's own clock is read at every mark too
+    (`host_summary()`): on a GPU, the time the host took to queue each phase, which, with the data wait, says
+    whether the host or the device sets the step's pace."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.steps: List[list] = []
+        self.steps: List[list] = []  # per step: (phase, device event or None, host seconds)
 
-    def _now(self):
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
+    def _now(self) -> tuple:
+        host = time.perf_counter()
+        if not self.cuda:
+            return None, host
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event, host
 
     def start(self) -> None:
-        self.steps.append([("start", self._now())])
+        self.steps.append([("start", *self._now())])
 
     def mark(self, phase: str) -> None:
         if self.steps:
-            self.steps[-1].append((phase, self._now()))
+            self.steps[-1].append((phase, *self._now()))
 
     def summary(self) -> Dict[str, float]:
-        """Mean milliseconds per step of each phase (from its previous mark to its own)."""
+        """Mean milliseconds per step of each phase (from its previous mark to its own): device time on a GPU."""
         if self.cuda:
             torch.cuda.synchronize()
+            return self._mean(lambda a, b: a[1].elapsed_time(b[1]))
+        return self.host_summary()
+
+    def host_summary(self) -> Dict[str, float]:
+        """Mean milliseconds per step the host spent in each phase (on a CPU, the same as `summary()`)."""
+        return self._mean(lambda a, b: 1e3 * (b[2] - a[2]))
+
+    def _mean(self, ms_between) -> Dict[str, float]:
         totals: Dict[str, float] = {}
         for marks in self.steps:
-            for (_, a), (phase, b) in zip(marks, marks[1:], strict=False):
-                ms = a.elapsed_time(b) if self.cuda else 1e3 * (b - a)
-                totals[phase] = totals.get(phase, 0.0) + ms
+            for a, b in zip(marks, marks[1:], strict=False):
+                totals[b[0]] = totals.get(b[0], 0.0) + ms_between(a, b)
         n = max(len(self.steps), 1)
         return {phase: ms / n for phase, ms in totals.items()}

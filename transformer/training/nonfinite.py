@@ -38,12 +38,18 @@ class NonfiniteGuard:
         self.in_a_row = 0
         self.first: Optional[int] = None  # first step of the current run of non-finite steps
 
-    def flag(self, loss_sum: torch.Tensor, grads: List[torch.Tensor]) -> torch.Tensor:
-        """0-dim bool on the device: this rank's loss sum or gradients are not finite (queued, not read)."""
+    def flag(self, loss_sum: torch.Tensor, norms: Optional[List[torch.Tensor]]) -> torch.Tensor:
+        """0-dim bool on the device: this rank's loss sum or gradients are not finite (queued, not read).
+        `norms`: the gradients' norms (`grad_norms`), None where the fp16 grad scaler owns overflows."""
         parts = [loss_sum.detach().float().view(1)]
-        if grads and not self.scaler_owns_grads:
-            parts.append(torch.stack(torch._foreach_norm(grads)).float())
+        if norms:
+            parts.append(torch.stack(norms).float())
         return ~torch.isfinite(torch.cat(parts)).all()
+
+    def grad_norms(self, grads: List[torch.Tensor]) -> Optional[List[torch.Tensor]]:
+        """Each gradient's norm (one pass over them), for the flag and, with fused Adam, for clipping; None
+        where the fp16 grad scaler checks the gradients itself."""
+        return None if self.scaler_owns_grads or not grads else torch._foreach_norm(grads)
 
     @contextlib.contextmanager
     def skipping(self, optimizer: torch.optim.Optimizer, stats: torch.Tensor):

@@ -1,5 +1,6 @@
 """Adam and the learning-rate schedule of Section 5.3, with an optional linear fall to zero at the end."""
-from typing import Optional
+import contextlib
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -122,6 +123,32 @@ def build_optimizer(model: torch.nn.Module, cfg_optim, d_model: int, capturable:
     opt = torch.optim.Adam(params, lr=lr, betas=(cfg_optim.beta1, cfg_optim.beta2), eps=cfg_optim.eps,
                            weight_decay=cfg_optim.weight_decay, **kwargs)
     return opt, NoamSchedule(opt, d_model, cfg_optim.warmup, cfg_optim.factor, cfg_optim.anneal)
+
+
+def gradient_scale(norms: List[torch.Tensor], factor: torch.Tensor,
+                   clip_norm: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """The one multiplier of a step's gradients: `factor` turns the gradients of summed losses into those of the
+    mean over the step's tokens, and trainer.clip_norm's coefficient (clip_grad_norm_'s formula) scales them to
+    at most that norm. `norms`: each gradient's norm before either, computed once a step for the non-finite
+    flag too. Returns (scale, the normalised gradient's norm before clipping, None without clipping). Fused Adam
+    applies the scale as it reads each gradient (`scaled_gradients`): where normalising, then clip_grad_norm_,
+    made three more passes over every gradient, this makes none."""
+    if clip_norm is None:
+        return factor, None
+    grad_norm = torch.linalg.vector_norm(torch.stack(norms)) * factor  # (): the norm after normalising
+    return factor * (clip_norm / (grad_norm + 1e-6)).clamp(max=1.0), grad_norm
+
+
+@contextlib.contextmanager
+def scaled_gradients(optimizer: torch.optim.Optimizer, scale: torch.Tensor):
+    """The fused Adam step inside reads every gradient times `scale` (a device tensor: nothing is read on the
+    host). Through Adam's `grad_scale`, which divides (as unscaling for the fp16 grad scaler does), so it gets
+    the reciprocal; the scaled gradients are written back into `.grad`."""
+    optimizer.grad_scale = scale.reciprocal()
+    try:
+        yield
+    finally:
+        del optimizer.grad_scale
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -14,6 +14,7 @@ from transformer.training.graphs import GraphStep
 from transformer.training.hotpath import StepResult, StepTimer, new_stats, step_result
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.nonfinite import NonfiniteGuard
+from transformer.training.optim import gradient_scale, scaled_gradients
 from transformer.training.parallelize import Parallelized
 
 
@@ -36,15 +37,28 @@ class TrainStep:
                  graphs: Optional[GraphStep], env: DistEnv, tcfg, pad_multiple: int):
         self.parallel, self.optimizer, self.scheduler, self.guard = parallel, optimizer, scheduler, guard
         self.model, self.net, self.scaler = parallel.model, parallel.net, parallel.scaler
-        self.graphs, self.env, self.tcfg, self.pad_multiple = graphs, env, tcfg, pad_multiple
+        self.graphs, self.env, self.pad_multiple = graphs, env, pad_multiple
         self.timer: Optional[StepTimer] = None  # transformer-bench's phase timer
+        # What every step reads, read once: walking the module tree (train(), parameters()) and reading config
+        # nodes is host time that host-bound GPU steps (base, Multi30k's batches) wait for (docs/performance.md,
+        # "The host"). The parameters and modules are fixed once the model is parallelized.
+        self.params = list(self.model.parameters())
+        self.modules = list(self.net.modules())
+        self.label_smoothing, self.clip_norm = tcfg.label_smoothing, tcfg.clip_norm
+        self.dynamic = bool(tcfg.compile)
+
+    def _train_mode(self) -> None:
+        """net.train() when any module is not in training mode (validation left it in eval): the check reads
+        one attribute a module; train() itself sets it through every module's __setattr__."""
+        if not all(m.training for m in self.modules):
+            self.net.train()
 
     def __call__(self, micro: Sequence, static_shape: Callable, dropout: float,
                  host_flags: Callable[[], tuple]) -> StepResult:
         """`micro`: the step's CPU batches; `static_shape(batch)`: the (rows, S, T) it is padded to, or None;
         `dropout`: the model's P_drop now (a CUDA graph per rate); `host_flags()`: (stop, late, anneal), read
         once the micro-batches are queued."""
-        self.net.train()
+        self._train_mode()
         timer, graphs, device = self.timer, self.graphs, self.env.device
         if timer is not None:
             timer.start()
@@ -52,7 +66,7 @@ class TrainStep:
         nll_sum = torch.zeros((), device=device)
         tokens = 0
         for i, batch in enumerate(micro):
-            batch = speedups.prepare_batch(batch.to(device), self.pad_multiple, self.tcfg.compile,
+            batch = speedups.prepare_batch(batch.to(device), self.pad_multiple, self.dynamic,
                                            static_shape(batch))
             if graphs is not None:  # forward, loss and backward as one CUDA graph per shape
                 graphs.accumulate(batch.src, batch.tgt_in, batch.tgt_out, dropout)
@@ -63,7 +77,7 @@ class TrainStep:
             with sync:
                 with self.parallel.autocast():
                     logits = self.net(batch.src, batch.tgt_in, packings=batch.packings)  # (B, T, V)
-                loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.tcfg.label_smoothing, PAD,
+                loss, nll = label_smoothed_cross_entropy(logits, batch.tgt_out, self.label_smoothing, PAD,
                                                          impl=self.parallel.loss, inplace=True)
                 self.scaler.scale(loss).backward()
             loss_sum += loss.detach()
@@ -75,8 +89,9 @@ class TrainStep:
         # Token count, loss sums and the stop, late, anneal and nonfinite flags travel in one tensor and one
         # all-reduce (the gradients are complete here: DDP reduced them in backward).
         stop, late, anneal = host_flags()
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        nonfinite = self.guard.flag(loss_sum, grads)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norms = self.guard.grad_norms(grads)  # once: for the flag, and for clipping
+        nonfinite = self.guard.flag(loss_sum, norms)
         stats = self.env.all_reduce_(new_stats(device, tokens, loss_sum, nll_sum, stop, late, anneal, nonfinite))
         if timer is not None:
             timer.mark("communication")
@@ -86,14 +101,20 @@ class TrainStep:
             if timer is not None:
                 timer.mark("optimizer")
             return step_result(stats, grad_norm)
-        self.scaler.unscale_(self.optimizer)
         # DDP averaged the ranks' gradients of summed losses; turn that into the gradient of the mean over tokens.
-        torch._foreach_mul_(grads, (self.env.world_size / stats[0].clamp(min=1.0)).float())
-        grad_norm = None
-        if self.tcfg.clip_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.tcfg.clip_norm).detach()
-        with self.guard.skipping(self.optimizer, stats):
-            self.scaler.step(self.optimizer)  # fp16 only: the scaler reads its inf check here (a sync)
+        factor = (self.env.world_size / stats[0].clamp(min=1.0)).float()
+        if self.guard.can_skip:  # fused Adam applies normalisation and clipping as it reads the gradients
+            scale, grad_norm = gradient_scale(norms, factor, self.clip_norm)
+            with self.guard.skipping(self.optimizer, stats), scaled_gradients(self.optimizer, scale):
+                self.optimizer.step()
+        else:  # fp16's grad scaler (or an unfused Adam): the gradients are rescaled in place first
+            self.scaler.unscale_(self.optimizer)
+            torch._foreach_mul_(grads, factor)
+            grad_norm = None
+            if self.clip_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip_norm).detach()
+            with self.guard.skipping(self.optimizer, stats):
+                self.scaler.step(self.optimizer)  # fp16 only: the scaler reads its inf check here (a sync)
         self.scaler.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

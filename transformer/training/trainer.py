@@ -24,7 +24,7 @@ from transformer.training.checkpoint import (
 )
 from transformer.training.ema import EMA
 from transformer.training.graphs import GraphStep
-from transformer.training.hotpath import LaggedFlag, StepResult, StepTimer, TrainWindow
+from transformer.training.hotpath import LaggedFlag, LoopKeys, StepResult, StepTimer, TrainWindow
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.nonfinite import Diverged, NonfiniteGuard, check_weights, diverged_line
 from transformer.training.optim import build_optimizer, fall_steps, load_optimizer_state
@@ -57,6 +57,7 @@ class Trainer:
         self.cfg, self.env, self.data, self.task, self.run_dir = cfg, env, data, task, run_dir
         self.stop = stop
         self.tcfg = cfg.trainer
+        self.keys = LoopKeys.of(cfg)  # what every step reads
         self.parallel = parallel
         self.model, self.net = parallel.model, parallel.net  # the module, and what the training step calls
         self.amp_dtype, self.scaler = parallel.amp_dtype, parallel.scaler
@@ -223,7 +224,7 @@ class Trainer:
         return True
 
     def _done(self) -> bool:
-        t = self.tcfg
+        t = self.keys
         return ((t.max_steps is not None and self.step >= t.max_steps)
                 or (t.max_epochs is not None and self.epoch >= t.max_epochs) or self.out_of_time
                 or self.scheduler.annealed)
@@ -231,10 +232,11 @@ class Trainer:
     def _time_flags(self) -> tuple:
         """(late, anneal): this rank's run clock is past trainer.max_minutes, or past the start of the
         rate's fall, (1 - optim.anneal) * max_minutes. Raised here, acted on once all-reduced."""
-        if self.tcfg.max_minutes is None:
+        keys = self.keys
+        if keys.max_minutes is None:
             return False, False
-        seconds, limit = self.clock.seconds(), 60 * self.tcfg.max_minutes
-        return seconds >= limit, self.cfg.optim.anneal > 0 and seconds >= limit * (1 - self.cfg.optim.anneal)
+        seconds, limit = self.clock.seconds(), 60 * keys.max_minutes
+        return seconds >= limit, keys.anneal > 0 and seconds >= limit * (1 - keys.anneal)
 
     def _set_dropout(self) -> None:
         """trainer.dropout_by_epoch: this epoch's P_drop (set again on resume, from the restored epoch)."""
@@ -268,7 +270,7 @@ class Trainer:
                 micro = [next(batches) for _ in range(min(K, n - self.batch_index))]
                 result, stop = self._train_step(micro, window, stop_flag)
                 # The bar shows the last logged line's loss: reading it every step would sync every step.
-                logged = self.step % self.tcfg.log_every == 0
+                logged = self.step % self.keys.log_every == 0
                 progress.update(**(self._log_train(window, result.grad_norm) if logged else {}))
                 if stop:
                     self.save(is_best=False)
@@ -277,9 +279,9 @@ class Trainer:
                                 self.run_dir)
                     return exit_codes.PREEMPTED
                 validated = is_best = False
-                if self.step % self.tcfg.val_every == 0:
+                if self.step % self.keys.val_every == 0:
                     validated, is_best = True, self._validate_once()
-                if is_best or self.step % self.cfg.checkpoint.every_steps == 0:
+                if is_best or self.step % self.keys.every_steps == 0:
                     self.save(is_best)  # a new best is saved at once, or best.pt would miss it
                 if validated and self._patience_over():
                     return 0
@@ -342,8 +344,8 @@ class Trainer:
         if not self.static_shapes:
             return None
         budget = self.data.train_sampler.tokens_of(self.epoch)
-        return static_shape(batch.src.size(1), batch.tgt_in.size(1), budget, self.cfg.data.max_sentences,
-                            self.tcfg.shape_steps)
+        return static_shape(batch.src.size(1), batch.tgt_in.size(1), budget, self.keys.max_sentences,
+                            self.keys.shape_steps)
 
     def _log_train(self, window: TrainWindow, grad_norm: Optional[torch.Tensor]) -> dict:
         """Logs the window's averages (its one host sync) and returns what the progress bar shows."""
