@@ -124,7 +124,7 @@ def test_collate_frames_source_and_target():
 
 
 def test_a_batch_travels_as_one_buffer():
-    """collate's four tensors are views of one buffer: a loader worker sends one shared-memory storage, the
+    """collate's four tensors are views of one buffer: a loader worker sends one buffer, the
     pin-memory thread pins it once and `Batch.to` copies it in one transfer; the moved views hold the same
     values. A batch of separate tensors (padded on the device, built by hand) moves tensor by tensor."""
     items = [(7, np.array([5, 6, 7], dtype=np.int32), np.array([8], dtype=np.int32)),
@@ -149,6 +149,33 @@ def test_a_batch_travels_as_one_buffer():
     assert all(torch.equal(m, t) for m, t in zip(batch_module._moved(apart, copy), apart, strict=True))
     assert copies == [t.numel() for t in apart]
     assert b.to(torch.device("cpu")).src is b.src
+
+
+@pytest.mark.parametrize("rows", [2, 3000])
+def test_a_small_batch_crosses_the_workers_pipe_as_bytes_and_a_large_one_in_shared_memory(rows):
+    """What a loader worker sends (multiprocessing's ForkingPickler): a small batch's buffer as bytes in the pickle
+    itself (no shared-memory file descriptor to receive), the same views of one buffer coming out; above
+    IN_BAND_BYTES the tensors go by shared memory, as torch pickles them between processes."""
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+    rng = np.random.default_rng(0)
+    items = [(i, rng.integers(4, 50, size=rng.integers(1, 30)).astype(np.int32),
+              rng.integers(4, 50, size=rng.integers(1, 30)).astype(np.int32)) for i in range(rows)]
+    b = collate(items, packed=True)
+    nbytes = b.src.untyped_storage().nbytes()
+    small = nbytes <= batch_module.IN_BAND_BYTES
+    assert small == (rows == 2)
+    payload = ForkingPickler.dumps(b)
+    got = pickle.loads(payload)
+    assert (len(payload) > nbytes) == small  # the buffer itself is in the pickle, or only a handle to it
+    assert got.src.is_shared() != small
+    tensors = (got.src, got.tgt_in, got.tgt_out, got.ids)
+    assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # still one buffer: pinned once
+    for mine, theirs in zip(tensors, (b.src, b.tgt_in, b.tgt_out, b.ids), strict=True):
+        assert torch.equal(mine, theirs) and mine.stride() == theirs.stride()
+    assert got.n_tokens == b.n_tokens and all(
+        torch.equal(x, y) if torch.is_tensor(x) else x == y
+        for p, q in zip(got.packings, b.packings, strict=True) for x, y in zip(p, q, strict=True))
 
 
 def test_a_loader_worker_hands_over_one_storage_a_batch():

@@ -108,17 +108,47 @@ class Batch:
     def __len__(self) -> int:
         return self.src.size(0)
 
+    def __reduce__(self):
+        """How a DataLoader worker hands the batch to the main process. A small CPU batch whose tensors are views
+        of one buffer (collate's) travels as bytes through the worker's pipe: a shared-memory storage costs the
+        receiving side a socket connection for its file descriptor and a mapping per batch, most of a small
+        batch's wait in `next()` (measured in docs/performance.md, "The host"). Larger or other batches
+        pickle their tensors as usual (shared memory between processes)."""
+        tensors = (self.src, self.tgt_in, self.tgt_out, self.ids)
+        flat = _one_buffer(tensors)
+        if flat is None or flat.device.type != "cpu" or flat.nbytes > IN_BAND_BYTES:
+            return Batch, (*tensors, self.n_tokens, self.packings)
+        views = tuple((t.size(), t.stride(), t.storage_offset()) for t in tensors)
+        return _from_bytes, (flat.numpy(), views, self.n_tokens, self.packings)
+
+
+IN_BAND_BYTES = 1 << 17  # up to here a batch crosses the pipe as bytes; above, copying costs what mapping does
+
+
+def _from_bytes(flat: np.ndarray, views: tuple, n_tokens: int, packings) -> Batch:
+    buffer = torch.from_numpy(flat)  # the unpickled array: the batch's own memory, no copy
+    return Batch(*(buffer.as_strided(*v) for v in views), n_tokens, packings)
+
+
+def _one_buffer(tensors: Sequence[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The whole storage the tensors are views of, as one flat tensor; None if they are not of one storage and
+    dtype."""
+    storage = tensors[0].untyped_storage()
+    if any(t.untyped_storage().data_ptr() != storage.data_ptr() or t.dtype != tensors[0].dtype for t in tensors):
+        return None
+    return torch.empty(0, dtype=tensors[0].dtype, device=tensors[0].device).set_(storage)
+
 
 def _moved(tensors: Sequence[torch.Tensor], move) -> List[torch.Tensor]:
     """`move` (a pinning, a copy to a device) applied to views of one storage as one move of that storage, the
     same views taken of the result; to each tensor otherwise. collate's batches are such views: a loader worker
-    hands the main process one shared-memory storage instead of four, which is pinned once and copied to the
-    GPU in one transfer (small batches spend a step's host time on these per-tensor costs)."""
-    storage = tensors[0].untyped_storage()
-    if any(t.untyped_storage().data_ptr() != storage.data_ptr() or t.dtype != tensors[0].dtype for t in tensors):
+    hands the main process one buffer instead of four (`Batch.__reduce__`), which is pinned once and copied to
+    the GPU in one transfer (small batches spend a step's host time on these per-tensor costs)."""
+    whole = _one_buffer(tensors)
+    if whole is None:
         return [move(t) for t in tensors]
-    flat = move(torch.empty(0, dtype=tensors[0].dtype).set_(storage))
-    if flat.data_ptr() == storage.data_ptr():  # nothing moved (a copy to where it already is)
+    flat = move(whole)
+    if flat.data_ptr() == whole.data_ptr():  # nothing moved (a copy to where it already is)
         return list(tensors)
     return [flat.as_strided(t.size(), t.stride(), t.storage_offset()) for t in tensors]
 
