@@ -3,7 +3,7 @@
 is left is what the host does every step besides replaying them: receiving the batch from the loader workers,
 padding it to its static shape, copying it into the graph's inputs, the non-finite flag and the statistics, the
 schedule, the step's bookkeeping. On a GPU that work decides the pace of steps whose kernels are shorter
-(Multi30k's 2,048-token batches: 2.7 ms of kernels). The model keeps its layers (module and parameter counts are
+(Multi30k's batches: docs/performance.md, "The host"). The model keeps its layers (module and parameter counts are
 host work) at a negligible width (the flag's gradient norms are computed for real here). Prints measured numbers,
 asserts nothing.
 
