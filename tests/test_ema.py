@@ -26,6 +26,23 @@ def test_update_follows_the_rule_with_its_warmup():
     assert ema.updates == 1
 
 
+def test_updates_read_the_weights_in_place_without_a_state_dict_a_step(monkeypatch):
+    """The average follows weights changed in place (as Adam and a resume's load change them) without asking the
+    model for its state_dict every step, a walk of the whole module tree on the host."""
+    model = tiny()
+    ema = EMA(model, decay=0.5)
+    calls = []
+    monkeypatch.setattr(model, "state_dict", lambda *a, **k: calls.append(1))
+    expected = ema.shadow["generator.weight"].clone()
+    for step in range(1, 4):
+        with torch.no_grad():
+            model.generator.weight.add_(1.0)
+        ema.update()
+        d = min(0.5, (1 + step) / (10 + step))
+        expected = d * expected + (1 - d) * model.generator.weight.detach()
+    assert calls == [] and torch.allclose(ema.shadow["generator.weight"], expected, atol=1e-6)
+
+
 def test_swapped_in_restores_the_trained_weights():
     model = tiny()
     ema = EMA(model, decay=0.5)

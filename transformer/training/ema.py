@@ -15,6 +15,11 @@ class EMA:
         self.names = [n for n, t in model.state_dict().items() if t.is_floating_point()]
         self.shadow: Dict[str, torch.Tensor] = {n: t.detach().float().clone()
                                                 for n, t in model.state_dict().items() if n in set(self.names)}
+        # The model's own tensors (a state_dict holds aliases of them, updated in place by every step), kept
+        # once: a state_dict() every step walks the whole module tree on the host.
+        state = model.state_dict()
+        self.current = [state[n] for n in self.names]
+        self.averages = [self.shadow[n] for n in self.names]  # the same tensors, in the same order
         self.updates = 0
 
     @torch.no_grad()
@@ -23,9 +28,8 @@ class EMA:
         is not dominated by the random initial weights."""
         self.updates += 1
         d = min(self.decay, (1 + self.updates) / (10 + self.updates))
-        state = self.model.state_dict()
-        current = [state[n].float() for n in self.names]
-        torch._foreach_lerp_([self.shadow[n] for n in self.names], current, 1.0 - d)
+        current = [t.float() for t in self.current]
+        torch._foreach_lerp_(self.averages, current, 1.0 - d)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
