@@ -10,7 +10,8 @@ asserts nothing.
     python benchmarks/bench_host.py [--steps 300] [--workers 2] [--profile 20] [override ...]
 
 Overrides are transformer-train's (default: experiment=multi30k with transformer-bench's synthetic sentences of
-Multi30k's lengths; `model=base data.max_tokens=16384` for base's 6 + 6 layers).
+Multi30k's lengths; `model.N=6 model.N_dec=6` for base's 6 + 6 layers: the recipe fixes its own depth, which
+`model=base` alone does not change).
 """
 import argparse
 import cProfile

@@ -12,12 +12,11 @@ class EMA:
         self.model, self.decay = model, decay
         # Floating-point state only (parameters and buffers such as the positional table are all floats here);
         # fp32 copies, so a bf16/fp16 model still averages in full precision.
-        self.names = [n for n, t in model.state_dict().items() if t.is_floating_point()]
-        self.shadow: Dict[str, torch.Tensor] = {n: t.detach().float().clone()
-                                                for n, t in model.state_dict().items() if n in set(self.names)}
+        state = model.state_dict()
+        self.names = [n for n, t in state.items() if t.is_floating_point()]
+        self.shadow: Dict[str, torch.Tensor] = {n: state[n].detach().float().clone() for n in self.names}
         # The model's own tensors (a state_dict holds aliases of them, updated in place by every step), kept
         # once: a state_dict() every step walks the whole module tree on the host.
-        state = model.state_dict()
         self.current = [state[n] for n in self.names]
         self.averages = [self.shadow[n] for n in self.names]  # the same tensors, in the same order
         self.updates = 0

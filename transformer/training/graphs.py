@@ -149,7 +149,9 @@ class GraphStep:
         # gradients of losses summed over all tokens of all workers -> the gradient of the mean over those tokens,
         # and clipped: one scale that fused Adam applies as it reads them (the ordinary step's arithmetic)
         factor = (1.0 / self.stats[0].clamp(min=1.0)).float()
-        scale, grad_norm = gradient_scale(torch._foreach_norm(self.grads), factor, self.tcfg.clip_norm)
+        clip = self.tcfg.clip_norm
+        norms = torch._foreach_norm(self.grads) if clip is not None else None  # only clipping reads them here
+        scale, grad_norm = gradient_scale(norms, factor, clip)
         if grad_norm is not None:
             self.grad_norm.copy_(grad_norm)
         with self.guard.skipping(self.optimizer, self.stats), scaled_gradients(self.optimizer, scale):

@@ -125,14 +125,15 @@ def build_optimizer(model: torch.nn.Module, cfg_optim, d_model: int, capturable:
     return opt, NoamSchedule(opt, d_model, cfg_optim.warmup, cfg_optim.factor, cfg_optim.anneal)
 
 
-def gradient_scale(norms: List[torch.Tensor], factor: torch.Tensor,
+def gradient_scale(norms: Optional[List[torch.Tensor]], factor: torch.Tensor,
                    clip_norm: Optional[float]) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """The one multiplier of a step's gradients: `factor` turns the gradients of summed losses into those of the
     mean over the step's tokens, and trainer.clip_norm's coefficient (clip_grad_norm_'s formula) scales them to
     at most that norm. `norms`: each gradient's norm before either, computed once a step for the non-finite
-    flag too. Returns (scale, the normalised gradient's norm before clipping, None without clipping). Fused Adam
-    applies the scale as it reads each gradient (`scaled_gradients`): where normalising, then clip_grad_norm_,
-    made three more passes over every gradient, this makes none."""
+    flag too (unread, and may be None, without clipping). Returns (scale, the normalised gradient's norm before
+    clipping, None without clipping). Fused Adam applies the scale as it reads each gradient
+    (`scaled_gradients`): where normalising, then clip_grad_norm_, made three more passes over every gradient,
+    this makes none."""
     if clip_norm is None:
         return factor, None
     grad_norm = torch.linalg.vector_norm(torch.stack(norms)) * factor  # (): the norm after normalising
