@@ -1,12 +1,14 @@
-"""The exports on Multi30k: a model trained briefly on its training split, 200 validation sentences.
+"""The exports on Multi30k: a model trained briefly on its training split, decoding its validation split.
 
-Greedy output of the Hugging Face export and of CTranslate2 in float32 equals `transformer-translate --beam 1`
-token for token; beam 5 with the same length penalty agrees on at least 98% of sentences; CTranslate2 int8
-scores within 0.5 BLEU of float32.
+On the first 200 validation sentences, greedy output of the Hugging Face export and of CTranslate2 in float32
+equals `transformer-translate --beam 1` token for token, and beam 5 with the same length penalty agrees on at
+least 98% of sentences. On all 1,014, CTranslate2 int8 scores within 0.5 BLEU of float32: on 200 sentences the
+difference alone moves by about ±0.4 BLEU from one slice to the next (docs/interop.md), too close to the bound.
 
 In CI the model trains for TRAIN_SECONDS in the fixture. To check a fully trained model instead (docs/interop.md
 gives the figures), point TRANSFORMER_EXPORT_CHECKPOINT at a checkpoint of a BPE run (best.pt of `transformer-train
-experiment=multi30k`, say) and TRANSFORMER_EXPORT_SENTENCES at the number of validation sentences to use."""
+experiment=multi30k`, say), TRANSFORMER_EXPORT_SENTENCES at the number of validation sentences for the greedy and
+beam checks, and TRANSFORMER_EXPORT_BLEU_SENTENCES at the number for the int8 check."""
 import os
 
 import pytest
@@ -29,6 +31,7 @@ from transformer.interop.hf import export_hf  # noqa: E402
 pytestmark = [pytest.mark.slow, needs_multi30k]
 transformers.utils.logging.set_verbosity_error()  # generate's notes on max_length, once per call
 N_SENTENCES = int(os.environ.get("TRANSFORMER_EXPORT_SENTENCES", 200))
+BLEU_SENTENCES = int(os.environ.get("TRANSFORMER_EXPORT_BLEU_SENTENCES", 1014))  # the whole split
 CHECKPOINT = os.environ.get("TRANSFORMER_EXPORT_CHECKPOINT")  # a trained model instead of the fixture's
 TRAIN_SECONDS = 90
 LENPEN = 1.0
@@ -55,8 +58,8 @@ def trained(tmp_path_factory):
     export_hf(model, tok, {}, folder / "hf")
     export_ct2(model, tok, folder / "ct2")
     export_ct2(model, tok, folder / "ct2_int8", quantization="int8")
-    src = read_gz(MULTI30K / "val.de.gz")[:N_SENTENCES]
-    ref = read_gz(MULTI30K / "val.en.gz")[:N_SENTENCES]
+    src = read_gz(MULTI30K / "val.de.gz")
+    ref = read_gz(MULTI30K / "val.en.gz")
     return model, tok, folder, src, ref
 
 
@@ -102,6 +105,7 @@ def ct2_outputs(path, tok, src, ev, compute_type="default"):
 
 def test_greedy_outputs_equal_transformer_translate(trained, tmp_path, capsys):
     model, tok, folder, src, _ = trained
+    src = src[:N_SENTENCES]
     ev = EvalConfig(beam=1)
     ours = [h[0].tokens for h in translate_sentences(model, tok, src, ev)]
     (tmp_path / "src.de").write_text("\n".join(src) + "\n", encoding="utf-8")
@@ -115,6 +119,7 @@ def test_greedy_outputs_equal_transformer_translate(trained, tmp_path, capsys):
 
 def test_beam_outputs_agree_on_98_percent(trained):
     model, tok, folder, src, _ = trained
+    src = src[:N_SENTENCES]
     ev = EvalConfig(beam=5, lenpen=LENPEN)
     ours = [h[0].tokens for h in translate_sentences(model, tok, src, ev)]
     for name, theirs in (("hf", hf_outputs(folder, tok, src, ev)), ("ct2", ct2_outputs(folder / "ct2", tok, src, ev))):
@@ -126,6 +131,7 @@ def test_beam_outputs_agree_on_98_percent(trained):
 
 def test_int8_scores_within_half_a_bleu_of_float32(trained):
     _, tok, folder, src, ref = trained
+    src, ref = src[:BLEU_SENTENCES], ref[:BLEU_SENTENCES]
     ev = EvalConfig(beam=5, lenpen=LENPEN)
     bleu = {}
     for name, compute_type in (("ct2", "float32"), ("ct2_int8", "int8")):
