@@ -80,6 +80,7 @@ def main(argv=None) -> int:
     if prof:
         prof.disable()
     ms = 1e3 * (time.perf_counter() - t0) / args.steps
+    totals.tally()
     data_ms = 1e3 * totals.data_s / args.steps
     a = trainer.model.args
     print(f"host: {a.N} + {a.N_dec} layers, {sum(1 for _ in trainer.model.modules())} modules, "

@@ -150,6 +150,8 @@ def test_padding_waste_is_counted_exactly_on_a_hand_built_batch():
     tgt_out = torch.tensor([[9, 2, 0, 0], [9, 10, 11, 2]])
     totals = Totals(args, 8)
     totals.add([Batch(src, tgt_in, tgt_out, torch.arange(2), 6)], 0.0)
+    assert totals.flops_real == totals.tgt == 0 and not totals.shapes  # no counting inside the timed steps ...
+    assert totals.tally() is totals  # ... but after them
     one = training_flops(args, 1, 3, 2) + training_flops(args, 1, 5, 4)
     assert totals.flops_real == one == real_flops(args, [3, 5], [2, 4])
     assert totals.flops_batch == training_flops(args, 2, 5, 4) > one

@@ -22,7 +22,7 @@ import subprocess
 import time
 from pathlib import Path
 from statistics import median
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -115,7 +115,11 @@ class Totals:
     """What the timed steps processed, counted on the host from the CPU batches (no device reads): real tokens,
     and the FLOPs of the real tokens (each sentence at its own lengths), of the batches' own padded shapes, and
     of the shapes the model runs on (lengths padded up to `multiple`, or, with trainer.static_shapes, the
-    static shape `shape_of(batch)` returns: its extra rows and lengths count as waste too)."""
+    static shape `shape_of(batch)` returns: its extra rows and lengths count as waste too).
+
+    `add` runs inside the timed steps, so it only keeps each batch's lengths and shapes; `tally()`, after the
+    window's clock has stopped, does the counting (Python and numpy work that a training step does not do and
+    that would otherwise be timed as the host's)."""
 
     def __init__(self, args, multiple: int, shape_of=None):
         self.args, self.multiple, self.shape_of = args, multiple, shape_of
@@ -123,23 +127,32 @@ class Totals:
         self.tgt = self.src = self.sentences = self.slots = 0
         self.flops_real = self.flops_batch = self.flops_run = 0
         self.data_s = 0.0
+        self._kept: List[tuple] = []  # per batch: (src lengths, tgt lengths, (B, S, T), run shape, target tokens)
 
     def add(self, micro, data_s: float) -> None:
         self.data_s += data_s
         for b in micro:
             B, S = b.src.shape
             T = b.tgt_in.size(1)
-            m = self.multiple
-            src_lens, tgt_lens = (b.src != PAD).sum(1).tolist(), (b.tgt_out != PAD).sum(1).tolist()  # CPU tensors
+            shape = self.shape_of(b) if self.shape_of is not None else None
+            self._kept.append(((b.src != PAD).sum(1), (b.tgt_out != PAD).sum(1), (B, S, T), shape, b.n_tokens))
+
+    def tally(self) -> "Totals":
+        """Counts what `add` kept; returns self."""
+        m = self.multiple
+        for src_lens, tgt_lens, (B, S, T), shape, n_tokens in self._kept:
+            src_lens, tgt_lens = src_lens.tolist(), tgt_lens.tolist()  # CPU tensors
             self.flops_real += real_flops(self.args, src_lens, tgt_lens)
             self.flops_batch += step_flops(self.args, [(B, S, T)])
-            shape = self.shape_of(b) if self.shape_of is not None else (B, -(-S // m) * m, -(-T // m) * m)
+            shape = shape if shape is not None else (B, -(-S // m) * m, -(-T // m) * m)
             self.shapes.add(shape)
             self.flops_run += step_flops(self.args, [shape])
-            self.tgt += b.n_tokens
+            self.tgt += n_tokens
             self.src += sum(src_lens)
             self.sentences += B
             self.slots += B * T
+        self._kept.clear()
+        return self
 
 
 def run_steps(trainer, batches, n: int, progress: Progress, totals: Optional[Totals] = None,
@@ -186,7 +199,7 @@ def measure(trainer, b) -> dict:
         t0 = time.perf_counter()
         run_steps(trainer, batches, steps, progress, totals, flag)
         _sync(device)
-        windows.append((time.perf_counter() - t0, totals))
+        windows.append((time.perf_counter() - t0, totals.tally()))
     trainer.timer = None
     progress.close()
     phases, host_phases = timer.summary(), timer.host_summary()
