@@ -363,6 +363,7 @@ def test_totals_count_the_static_shape_a_batch_runs_at():
     src, tgt = torch.tensor([[7, 8, 2, 0, 0], [7, 8, 9, 10, 2]]), torch.tensor([[1, 9, 0, 0], [1, 9, 10, 11]])
     totals = Totals(args, 1, shape_of=lambda b: static_shape(b.src.size(1), b.tgt_in.size(1), 64))
     totals.add([Batch(src, tgt, tgt, torch.arange(2), 6)], 0.0)
+    totals.tally()
     assert totals.shapes == {(8, 8, 4)}  # lengths 5 and 4 on the ladder: 8 and 4; rows 64 // 8
     assert totals.flops_run == training_flops(args, 8, 8, 4) > totals.flops_batch == training_flops(args, 2, 5, 4)
 

@@ -163,3 +163,47 @@ def test_rebuild_from_model_args():
     clone.load_state_dict(model.state_dict())
     src, tgt = torch.randint(4, 23, (2, 5)), torch.randint(4, 23, (2, 4))
     assert torch.equal(clone.eval()(src, tgt), model(src, tgt))
+
+
+def _bool_mask_forward(model, src, tgt):
+    """The model's forward with the boolean padding mask SDPA converts itself in every call (before
+    `padding_bias`)."""
+    keep = (src != PAD)[:, None, None, :]
+    x = model.src_embed(src)
+    for layer in model.encoder:
+        x = layer(x, keep)
+    return model.decode(tgt, model.enc_norm(x), keep)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_padding_bias_is_made_once_in_the_queries_dtype_and_changes_no_output(dtype, monkeypatch):
+    """The source mask is additive (0 / -inf), in autocast's dtype, rows 8-aligned, and every SDPA call of a
+    forward gets it (nothing to convert or pad per call); the outputs are bitwise those of the boolean mask,
+    in eval mode and in training with dropout (the CPU dropout path adds it instead of masked_fill)."""
+    torch.manual_seed(0)
+    model = Transformer.from_config(ModelConfig(N=2, d_model=32, d_ff=64, h=4, dropout=0.1), 23, 23)
+    src, tgt = torch.randint(4, 23, (3, 11)), torch.randint(4, 23, (3, 6))
+    src[0, 7:] = src[2, 3:] = PAD
+    auto = torch.autocast("cpu", dtype=dtype) if dtype else torch.autocast("cpu", enabled=False)
+    masks = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording(q, k, v, attn_mask=None, **kw):
+        masks.append((q.dtype, attn_mask))
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    with auto:
+        _, mask = model.encode(src)
+        assert mask.dtype == (dtype or torch.float32) and mask.shape == (3, 1, 1, 11) and mask.stride(0) % 8 == 0
+        assert torch.equal(mask[:, 0, 0] == float("-inf"), src == PAD) and (mask[src[:, None, None] != PAD] == 0).all()
+        for train in (False, True):
+            model.train(train)
+            torch.manual_seed(1)
+            with monkeypatch.context() as m:
+                m.setattr(F, "scaled_dot_product_attention", recording)
+                out = model(src, tgt)
+            torch.manual_seed(1)
+            assert torch.equal(out, _bool_mask_forward(model, src, tgt))
+    padded = [(q_dtype, m) for q_dtype, m in masks if m is not None]
+    assert len(padded) == 4  # eval: 2 encoder self-attentions and 2 cross-attentions; training takes the CPU path
+    assert all(m.dtype == q_dtype and m.stride(0) % 8 == 0 for q_dtype, m in padded)

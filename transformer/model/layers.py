@@ -26,9 +26,10 @@ class MultiHeadAttention(nn.Module):
     Self-attention projects its input to queries, keys and values in one product (`qkv_proj`, a StackedLinear);
     cross-attention (`self_attention=False`) projects only the queries and takes the keys/values of the encoder
     output precomputed for all decoder layers at once (`Transformer.project_memory`).
-    Masks are boolean, True where a query may attend to a key, broadcastable to (B, h, T, S).
-    The fused `scaled_dot_product_attention` picks flash/memory-efficient kernels where it can; a boolean
-    padding mask (the encoder's self-attention, every cross-attention) keeps it off the flash kernel.
+    A mask is boolean, True where a query may attend to a key, or additive (0 or -inf in the queries' dtype:
+    the source padding mask, `padding_bias`), broadcastable to (B, h, T, S).
+    The fused `scaled_dot_product_attention` picks flash/memory-efficient kernels where it can; a padding
+    mask (the encoder's self-attention, every cross-attention) keeps it off the flash kernel.
     With `keep_attention = True` the weights are computed explicitly and kept in `last_attention`
     (B, h, T, S) for plots.
     """
@@ -114,8 +115,21 @@ def attention_weights(q: torch.Tensor, k: torch.Tensor, mask, is_causal: bool) -
         T, S = scores.shape[-2:]
         mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     return scores.softmax(dim=-1)
+
+
+def padding_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """keep (B, S) bool, True at real tokens -> (B, 1, 1, S) additive mask in `dtype`: 0 where a key may be
+    attended, -inf at padding, its rows 8-aligned in memory.
+
+    Given a boolean mask, SDPA converts it to this form in every call (three operations; a base model's
+    forward has 12 such calls), and on CUDA its memory-efficient kernel first pads a copy of a mask whose rows
+    are not 8-aligned. Made once a batch in the queries' dtype, as SDPA requires, neither happens."""
+    B, S = keep.shape
+    bias = torch.zeros(B, 1, 1, -(-S // 8) * 8, dtype=dtype, device=keep.device)
+    bias[..., :S].masked_fill_(~keep[:, None, None, :], float("-inf"))
+    return bias[..., :S]  # (B, 1, 1, S), row stride a multiple of 8
 
 
 def _cpu_dropout_attention(q, k, v, mask, is_causal: bool, p: float) -> torch.Tensor:

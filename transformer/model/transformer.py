@@ -9,7 +9,7 @@ from torch import nn
 
 from transformer.model.cache import DecoderCache
 from transformer.model.dropout import Dropout, check_rate
-from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention
+from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention, padding_bias
 from transformer.model.projections import StackedLinear, fuse_projections, replay_linear_init, split_projections
 from transformer.model.residual import norm_to, stream_dtype
 from transformer.model.varlen import Packing, VarlenMask, pack, packing, unpack
@@ -189,10 +189,13 @@ class Transformer(nn.Module):
 
         Returns:
             memory: (B, S, d_model) the encoder output that every decoder layer attends to.
-            src_mask: (B, 1, 1, S) bool, True at real tokens, False at padding (broadcasts over heads
-                and query positions).
+            src_mask: (B, 1, 1, S) additive (`layers.padding_bias`): 0 at real tokens, -inf at padding, in
+                the dtype the attention's queries will have (autocast's, else the weights'); broadcasts over
+                heads and query positions.
         """
-        src_mask = (src != PAD)[:, None, None, :]
+        device = src.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        src_mask = padding_bias(src != PAD, dtype or self.src_embed.tokens.weight.dtype)
         x = self.src_embed(src)
         for layer in self.encoder:
             x = layer(x, src_mask)
