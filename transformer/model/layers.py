@@ -127,7 +127,9 @@ def padding_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     forward has 12 such calls), and on CUDA its memory-efficient kernel first pads a copy of a mask whose rows
     are not 8-aligned. Made once a batch in the queries' dtype, as SDPA requires, neither happens."""
     B, S = keep.shape
-    bias = torch.zeros(B, 1, 1, -(-S // 8) * 8, dtype=dtype, device=keep.device)
+    # Rows of (S // 8 + 1) * 8, never exactly S: a row stride that equals S for some lengths and not for others
+    # would make torch.compile, whose lengths are dynamic, specialise on it and compile again.
+    bias = torch.zeros(B, 1, 1, (S // 8 + 1) * 8, dtype=dtype, device=keep.device)
     bias[..., :S].masked_fill_(~keep[:, None, None, :], float("-inf"))
     return bias[..., :S]  # (B, 1, 1, S), row stride a multiple of 8
 
