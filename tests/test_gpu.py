@@ -194,6 +194,28 @@ def test_flash_attention_kernel_runs_for_causal_self_attention():
     assert torch.allclose(out.float(), ref, atol=2e-2)
 
 
+def test_padding_bias_reaches_the_efficient_kernel_as_made():
+    """The source padding mask (`layers.padding_bias`) goes to the memory-efficient kernel without SDPA's
+    per-call conversion or alignment copy, and the outputs are bitwise those of the boolean mask."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.test_model import _bool_mask_forward
+    from transformer.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = Transformer.from_config(ModelConfig(N=2, d_model=128, d_ff=256, h=2), 50, 50).to(CUDA).eval()
+    src, tgt = torch.randint(4, 50, (6, 13), device=CUDA), torch.randint(4, 50, (6, 9), device=CUDA)
+    src[0, 5:] = src[3, 11:] = 0
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            out = model(src, tgt)
+        ref = _bool_mask_forward(model, src, tgt)
+    names = [e.key for e in prof.key_averages()]
+    assert [n for n in names if "efficient_attention" in n], names
+    assert not [n for n in names if n in ("aten::where", "aten::constant_pad_nd", "aten::scalar_tensor")], names
+    assert torch.equal(out, ref)
+
+
 def test_training_attention_avoids_cudnn_plans(tmp_path):
     """Every new batch shape costs cuDNN's SDPA a host-side plan (transformer/model/layers.py): the
     trainer's steps run flash or memory-efficient attention kernels instead."""
