@@ -2,7 +2,7 @@
 after every optimiser step, on the device and without a host sync. Validation scores the average when it is
 on, and checkpoints carry it, so a resumed run continues it bit for bit."""
 import contextlib
-from typing import Dict, Iterator
+from typing import Dict, Iterator, List
 
 import torch
 
@@ -33,19 +33,18 @@ class EMA:
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The model holds the averaged weights inside the block, its own weights again after it."""
-        state = self.model.state_dict()
-        backup = {n: state[n].detach().clone() for n in self.names}
-        self._copy_into_model(self.shadow)
+        backup = [t.detach().clone() for t in self.current]
+        self._copy_into_model(self.averages)
         try:
             yield
         finally:
             self._copy_into_model(backup)
 
     @torch.no_grad()
-    def _copy_into_model(self, tensors: Dict[str, torch.Tensor]) -> None:
-        state = self.model.state_dict()
-        for n in self.names:
-            state[n].copy_(tensors[n])
+    def _copy_into_model(self, tensors: List[torch.Tensor]) -> None:
+        """`tensors` in the order of `self.names` into the model's own tensors."""
+        for mine, new in zip(self.current, tensors, strict=True):
+            mine.copy_(new)
 
     def averaged_state(self) -> Dict[str, torch.Tensor]:
         """The model's state_dict with the averaged weights, in the model's own dtypes (a model-only checkpoint)."""
