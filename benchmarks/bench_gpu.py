@@ -20,6 +20,7 @@ import collections
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -92,6 +93,12 @@ COMMON = ("bench.synthetic=true", "bench.warmup=10", "bench.steps=40", "trainer.
 # The GPU test tier, the files of the newest GPU code first: what a short lease must check before the rest.
 TIER_FIRST = ("test_graphs.py", "test_varlen.py", "test_loss_optim.py", "test_residual.py", "test_microbatch.py",
               "test_fp8.py", "test_gpu.py")
+# Runs that keep files beside --out as well as numbers (<out stem>.<workload>-<set>.*, names the device tool
+# brings back): the profile window's timeline (bench.trace: every kernel and host call in order, for Perfetto)
+# and, under torch.compile, the code it generated (torch's TORCH_LOGS=output_code): the profile names compiled
+# kernels after that code's Triton kernels, so a slow one can be read after the lease. Base: the step the host
+# holds back in eager mode, and the one with every switch.
+KEEP = (("base@16k", "eager"), ("base@16k", "all"))
 # --dry-run: the same plan on a CPU, shrunk to seconds a run (compilation, minutes on a CPU, is skipped).
 DRY = ("model=tiny", "model.N=1", "bench.sentences=300", "bench.vocab_size=300", "bench.max_len=30",
        "data.max_tokens=400", "bench.warmup=0", "bench.steps=1", "bench.repeats=1", "bench.profile_steps=1",
@@ -182,12 +189,22 @@ def run_tests(out: Path, log: Path, timeout: float, dry: bool) -> int:
     return code
 
 
+def kept_files(out: Path, workload: str, switches: str) -> dict:
+    """The files a KEEP run writes beside `out`: {"trace": ..., "code": ...} (code: under torch.compile only)."""
+    stem = out.stem + "." + re.sub(r"[^A-Za-z0-9]+", "-", f"{workload}-{switches}").strip("-")
+    return {"trace": out.with_name(stem + ".trace.json.gz"), "code": out.with_name(stem + ".inductor.txt")}
+
+
 def run_bench(workload: str, switches: str, overrides: list, out: Path, log: Path, timeout: float):
     print(f"--- {workload} [{switches}]: transformer-bench {' '.join(overrides)}", flush=True)
     t0 = time.time()
     base = {"kind": "bench", "workload": workload, "switches": switches, "overrides": overrides}
+    run_env, code = env(), None
+    if any(o.startswith("bench.trace=") for o in overrides) and "trainer.compile=true" in overrides:
+        code = kept_files(out, workload, switches)["code"]
+        run_env.update(TORCH_LOGS="output_code", TORCH_LOGS_OUT=str(code))
     try:
-        res = subprocess.run([sys.executable, "-m", "transformer.cli.bench", *overrides], cwd=REPO, env=env(),
+        res = subprocess.run([sys.executable, "-m", "transformer.cli.bench", *overrides], cwd=REPO, env=run_env,
                              capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         print(f"    timed out after {timeout:.0f} s", flush=True)
@@ -200,7 +217,8 @@ def run_bench(workload: str, switches: str, overrides: list, out: Path, log: Pat
         print(f"    failed ({res.returncode}): {error}", flush=True)
         append(out, {**base, "returncode": res.returncode, "error": error})
         return None
-    record = {**json.loads(res.stdout.strip().splitlines()[-1]), **base, "seconds": round(time.time() - t0, 1)}
+    record = {**json.loads(res.stdout.strip().splitlines()[-1]), **base, "seconds": round(time.time() - t0, 1),
+              "compiled_code": code.name if code is not None and code.is_file() else None}
     mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
     print(f"    {record['tgt_tokens_per_s']:,.0f} tgt tok/s, MFU {mfu}, {record['seconds']:.0f} s", flush=True)
     append(out, record)
@@ -276,6 +294,11 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
                   "| ms/step | share | calls/step | name |", "|---|---|---|---|"]
         lines += [f"| {t['self_ms']:.3f} | {100 * t['share']:.1f}% | {t['calls']} | `{t['name'][:100]}` |"
                   for t in r["top_ops"]]
+    kept = [r for r in records if r.get("trace")]
+    if kept:  # the files a lease brings back besides the numbers
+        lines += ["", "Kept beside the records: " + "; ".join(
+            f"{r['workload']} [{r['switches']}]: `{Path(r['trace']).name}` (timeline, Perfetto)" + (
+                f", `{r['compiled_code']}` (compiled code)" if r.get("compiled_code") else "") for r in kept)]
     families = [r for r in profiled if (r.get("kernel_account") or {}).get("families")]
     if families:  # every kernel, by family: where the device time of each profiled run went
         names = sorted({f for r in families for f in r["kernel_account"]["families"]},
@@ -321,7 +344,10 @@ def plan(args, keys: set) -> tuple:
         elif args.dry_run and "trainer.cuda_graphs=true" in switch:
             skipped.append({"workload": workload, "switches": name, "why": "dry run: no CUDA graphs on a CPU"})
         else:
-            todo.append((workload, name, [*WORKLOADS[workload], *COMMON, *switch, *(DRY if args.dry_run else ())]))
+            keep = [f"bench.trace={kept_files(args.out, workload, name)['trace']}"] \
+                if (workload, name) in KEEP and "bench.trace" in keys else []
+            todo.append((workload, name, [*WORKLOADS[workload], *COMMON, *switch, *(DRY if args.dry_run else ()),
+                                          *keep]))
     return todo, skipped
 
 

@@ -85,12 +85,34 @@ def test_bench_out_appends_the_json_line(tmp_path):
     assert len(lines) == 1 and json.loads(lines[0])["steps"] == 1
 
 
+def test_bench_trace_writes_the_profile_window_for_perfetto(tmp_path):
+    """bench.trace: the profile window's timeline as gzipped Chrome trace JSON, made through a temporary file
+    that is gone afterwards, named in the record and the table."""
+    import gzip
+
+    trace = tmp_path / "traces" / "tiny.trace.json.gz"
+    res = bench(tmp_path, *TINY, "bench.steps=1", "bench.repeats=1", f"bench.trace={trace}")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    ops = {e.get("name") for e in events}
+    assert "aten::mm" in ops or "aten::addmm" in ops  # the step's operators, not an empty timeline
+    assert record(res)["trace"] == str(trace) and f"{trace} (the profile window's timeline" in res.stdout
+    assert [p.name for p in trace.parent.iterdir()] == [trace.name]
+
+
 def test_bench_bad_input_is_one_line_exit_2(tmp_path):
     res = bench(tmp_path, *TINY, "bench.steps=0", expect=2)
     assert res.stderr.strip().splitlines()[-1] == "error: bench.steps=0: must be >= 1"
     res = bench(tmp_path, *TINY, "bench.min_len=700", "bench.max_len=900", expect=2)  # > data.max_tokens
     assert "data.max_tokens=600" in res.stderr.strip().splitlines()[-1]
+    res = bench(tmp_path, *TINY, "bench.trace=t.json", "bench.profile=false", expect=2)
+    assert res.stderr.strip().splitlines()[-1] == ("error: bench.trace='t.json': needs bench.profile=true (it is "
+                                                   "that window's)")
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("")  # a trace asked for under a file: refused before any step runs
+    res = bench(tmp_path, *TINY, f"bench.trace={tmp_path / 'file' / 't.json'}", expect=2)
+    assert res.stderr.strip().splitlines()[-1].startswith(f"error: bench.trace='{tmp_path / 'file' / 't.json'}': "
+                                                          "cannot make its folder")
+    assert "target tokens/s" not in res.stdout and list(tmp_path.iterdir()) == [tmp_path / "file"]
 
 
 def test_bench_at_a_recipe_micro_batch_with_loader_workers(tmp_path):
@@ -350,7 +372,7 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     keys = bench_gpu.config_keys()
     assert {"trainer.loss", "trainer.compile", "data.max_tokens", "bench.profile"} <= keys
     args = argparse.Namespace(switch=["wishful=model.no_such_switch=true", "small_batches=data.max_tokens=8000"],
-                              only=None, dry_run=False)
+                              only=None, dry_run=False, out=Path("/tmp/bench-gpu-x.jsonl"))
     todo, skipped = bench_gpu.plan(args, keys)
     runs = {(w, s) for w, s, _ in todo}
     assert {(w, "eager") for w in ("multi30k", "base@recipe", "base@16k", "big@recipe", "big@16k", "big@32k")} <= runs
@@ -368,12 +390,37 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     assert "model.no_such_switch" in skipped[0]["why"]
     overrides = dict((w, o) for w, s, o in todo if s == "eager")
     assert "experiment=wmt14_big" in overrides["big@recipe"] and "data.max_tokens=32768" in overrides["big@32k"]
+    traced = {(w, s): o[-1] for w, s, o in todo if o[-1].startswith("bench.trace=")}  # what a lease keeps
+    assert set(traced) == set(bench_gpu.KEEP) == {("base@16k", "eager"), ("base@16k", "all")}
+    assert traced["base@16k", "all"].endswith("/bench-gpu-x.base-16k-all.trace.json.gz")
     args.dry_run, args.switch = True, None
     todo, skipped = bench_gpu.plan(args, keys)
     assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
     assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual", "fp8", "compile+fp8",
                                                 "cuda_graphs", "cuda_graphs+steps8", "all", "compile+unpadded",
                                                 "compile+pad1"}
+
+
+def test_bench_gpu_keeps_the_compiled_code_of_a_traced_compiled_run(tmp_path, monkeypatch):
+    """A KEEP run under torch.compile logs the generated code (TORCH_LOGS=output_code) to a file beside --out
+    that the record names; a run without a trace, or not compiled, logs none."""
+    bench_gpu = load_benchmark("bench_gpu")
+    out, seen = tmp_path / "b.jsonl", []
+
+    def fake(cmd, env, **kw):
+        seen.append({k: env.get(k) for k in ("TORCH_LOGS", "TORCH_LOGS_OUT")})
+        if env.get("TORCH_LOGS_OUT"):
+            Path(env["TORCH_LOGS_OUT"]).write_text("def triton_per_fused_native_layer_norm_0(...): ...")
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"tgt_tokens_per_s": 1.0, "mfu": None}), "")
+
+    monkeypatch.setattr(bench_gpu.subprocess, "run", fake)
+    trace = f"bench.trace={bench_gpu.kept_files(out, 'base@16k', 'all')['trace']}"
+    r = bench_gpu.run_bench("base@16k", "all", ["trainer.compile=true", trace], out, tmp_path / "b.log", 60)
+    assert seen[-1] == {"TORCH_LOGS": "output_code", "TORCH_LOGS_OUT": str(tmp_path / "b.base-16k-all.inductor.txt")}
+    assert r["compiled_code"] == "b.base-16k-all.inductor.txt"
+    for overrides in (["trainer.compile=true"], [trace]):
+        assert bench_gpu.run_bench("base@16k", "x", overrides, out, tmp_path / "b.log", 60)["compiled_code"] is None
+        assert seen[-1] == {"TORCH_LOGS": None, "TORCH_LOGS_OUT": None}
 
 
 def test_each_test_reports_its_outcome_as_it_ends(tmp_path):
@@ -486,6 +533,10 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     plan = load_benchmark("bench_gpu").PLAN
     assert md.count("| base@") == len([w for w, _ in plan if w.startswith("base@")])  # a row each, run or skipped
     assert "Top " in md and "ops by self CPU time" in md and md.strip() in res.stdout
+    # base@16k eager keeps its timeline (a lease brings it back), named in the summary; nothing else is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.base-16k-eager.trace.json.gz", "b.jsonl", "b.log",
+                                                          "b.md"]
+    assert "`b.base-16k-eager.trace.json.gz` (timeline, Perfetto)" in md
     loss = [r for r in records if r["kind"] == "loss"]  # the loss benchmark: fused, compiled, reference
     assert len(loss) == 1 and loss[0]["returncode"] == 0 and "compiled" in loss[0]["output"]
     assert loss[0]["output"].strip() in md

@@ -172,6 +172,7 @@ class BenchConfig:
     profile_steps: int = 5  # steps in the profile window
     top: int = 15  # operators listed: kernels by self device time on a GPU, ops by self CPU time on a CPU
     out: Optional[str] = None  # also append the JSON line to this file
+    trace: Optional[str] = None  # also write the profile window as a trace for Perfetto (.gz: gzipped)
 
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")

@@ -71,9 +71,24 @@ def check_bench(cfg) -> None:
                          ("min_len", b.min_len >= 1, "must be >= 1"),
                          ("max_len", b.max_len >= b.min_len, "must be >= bench.min_len"),
                          ("length_std", b.length_std >= 0, "must be >= 0"),
-                         ("peak_tflops", b.peak_tflops is None or b.peak_tflops > 0, "must be > 0 or null")):
+                         ("peak_tflops", b.peak_tflops is None or b.peak_tflops > 0, "must be > 0 or null"),
+                         ("trace", b.trace is None or b.profile, "needs bench.profile=true (it is that window's)")):
         if not ok:
             raise ConfigError(f"bench.{key}={b[key]!r}: {why}")
+
+
+@dist.rank_zero
+def check_outputs(b) -> None:
+    """The folders of bench.out and bench.trace, made and found writable before minutes of measuring, not after."""
+    for key in ("out", "trace"):
+        if b[key]:
+            folder = Path(b[key]).parent
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"bench.{key}={b[key]!r}: cannot make its folder ({e.strerror})") from None
+            if not os.access(folder, os.W_OK):
+                raise ConfigError(f"bench.{key}={b[key]!r}: its folder {folder} is not writable")
 
 
 def build(cfg, env):
@@ -207,7 +222,7 @@ def measure(trainer, b) -> dict:
     prof = None
     if b.profile:
         prof = profile_window(lambda n: run_steps(trainer, batches, n, Progress(None, 0, False)),
-                              lambda: _sync(device), device, b.profile_steps, b.top)
+                              lambda: _sync(device), device, b.profile_steps, b.top, b.trace)
     return {"steps": steps, "windows": windows, "flag_waits": flag.waits, "warmup_s": warmup_s,
             "warmup_steps": b.warmup + settled, "phases": phases, "host_phases": host_phases,
             "profile": prof,
@@ -318,6 +333,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "host_syncs_per_step": prof["host_syncs"] / prof["steps"] if prof and prof["host_syncs"] is not None
         else None,
         "busy": prof["busy"] if prof else None, "profile_steps": prof["steps"] if prof else None,
+        "trace": b.trace if prof else None,
         "kernel_account": prof["account"] if prof else None,
         "top_ops": prof["top"] if prof else None, "top_ops_kind": (
             ("kernels_self_device" if env.device.type == "cuda" else "ops_self_cpu") if prof else None),
@@ -345,6 +361,7 @@ def run_benchmark(cfg) -> Optional[dict]:
     env = dist.init(run["rank"], run["local_rank"], run["world_size"], cfg.trainer.accelerator, cfg.trainer.timeout_s)
     setup_logging(None)
     try:
+        check_outputs(cfg.bench)
         record = _measure(cfg, env)  # the trainer is gone when dist.close() runs
         _report(record, cfg.bench.out)
         return record if env.is_main else None

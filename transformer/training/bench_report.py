@@ -70,6 +70,8 @@ def table(r: dict) -> str:
     if r["top_ops"] is not None:
         rows.append(("device busy", f"{100 * r['busy']:.1f}% of the profile window ({r['profile_steps']} steps)"
                      if r["busy"] is not None else f"n/a on CPU ({r['profile_steps']} steps profiled)"))
+    if r.get("trace"):
+        rows.append(("trace", f"{r['trace']} (the profile window's timeline: ui.perfetto.dev)"))
     if r.get("cuda_graphs_captured") is not None:  # a capture costs a few steps' time: timed ones count it
         rows.append(("CUDA graphs captured", f"{r['cuda_graphs_captured']} micro-batch shapes "
                                              f"({r['cuda_graphs_captured_timed']} during the timed steps)"))

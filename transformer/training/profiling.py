@@ -4,12 +4,19 @@ operators by self time: kernels by self device time on a GPU, operators by self 
 there is no device timeline, so no busy fraction either), and the step's whole kernel account: kernels,
 their time by family and the host's launch calls per step on a GPU, operators per step on a CPU. The top list
 names the 15 largest kernels; the families account for all of them, so a profile says where every
-millisecond of device time went, and the launches what the host pays for them."""
+millisecond of device time went, and the launches what the host pays for them. `bench.trace` keeps the
+window's whole timeline too (`write_trace`): each kernel and host call in order, for Perfetto."""
 import re
+import shutil
+import tempfile
 import time
+from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
+
+from transformer import dist
+from transformer.atomic import atomic_open
 
 
 def busy_fraction(intervals: Iterable[Tuple[float, float]], window: Optional[Tuple[float, float]] = None
@@ -118,10 +125,10 @@ def top_operators(averages, device: bool, rows: int, steps: int) -> List[Dict]:
 
 
 def profile_window(run: Callable[[int], None], sync: Callable[[], None], device: torch.device, steps: int,
-                   rows: int) -> Dict:
+                   rows: int, trace: Optional[str] = None) -> Dict:
     """Runs `run(steps)` under torch.profiler. Returns {steps, wall_ms (per step, profiler overhead included),
     busy (device busy fraction, None on CPU), top: top_operators, account: kernel_account, table: torch's own
-    table}."""
+    table}; with `trace`, also writes the window's timeline there (write_trace)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -143,11 +150,25 @@ def profile_window(run: Callable[[int], None], sync: Callable[[], None], device:
         # The window: from the first event on either side to the last (host and device clocks are aligned).
         window = (min(e.time_range.start for e in events), max(e.time_range.end for e in events))
         busy = busy_fraction(spans, window)
+    if trace:
+        write_trace(prof, trace)
     averages = prof.key_averages()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
     return {"steps": steps, "wall_ms": 1e3 * wall / steps, "busy": busy, "host_syncs": len(syncs) if cuda else None,
             "top": top_operators(averages, cuda, rows, steps), "account": kernel_account(events, steps, cuda),
             "table": averages.table(sort_by=key, row_limit=rows)}
+
+
+@dist.rank_zero
+def write_trace(prof, path) -> None:
+    """The profile's timeline as Chrome trace JSON (Perfetto, chrome://tracing) at `path`, gzipped when it ends
+    in .gz: written whole or not at all. torch.profiler writes in place; its file goes through a temporary one."""
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / ("trace.json.gz" if path.suffix == ".gz" else "trace.json")
+        prof.export_chrome_trace(str(raw))
+        with atomic_open(path, "wb") as out, open(raw, "rb") as src:
+            shutil.copyfileobj(src, out)
 
 
 def top_table(top: List[Dict], device: bool) -> str:
