@@ -301,13 +301,16 @@ def test_bench_on_multi30k_batches(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_compiled_model_uses_one_graph_for_all_batch_shapes(tmp_path):
-    """torch.compile with batch size and lengths marked dynamic (lengths padded to a multiple of 8):
-    batches of many shapes run through one graph, and none is compiled during the timed steps."""
+@pytest.mark.parametrize("multiple", [None, 8])
+def test_bench_compiled_model_uses_one_graph_for_all_batch_shapes(tmp_path, multiple):
+    """torch.compile with batch size and lengths marked dynamic, lengths as they come (the default) or rounded
+    up to a multiple of 8: batches of many shapes run through one graph, none compiled in the timed steps."""
+    pad = [f"trainer.pad_to_multiple={multiple}"] if multiple else []
     r = record(bench(tmp_path, *TINY, "model.d_model=32", "model.d_ff=64", "model.h=2", "trainer.compile=true",
-                     "bench.warmup=3", "bench.steps=4"))
-    assert r["compile"] is True and r["pad_to_multiple"] == 8
+                     "bench.warmup=3", "bench.steps=4", *pad))
+    assert r["compile"] is True and r["pad_to_multiple"] == (multiple or 1) and r["shapes"] >= 4
     assert r["graphs"] == 1 and r["graphs_during_timed"] == 0
+    assert (r["waste_pad_multiple"] > 0) == (multiple == 8)
 
 
 @pytest.mark.slow
@@ -322,9 +325,9 @@ def test_bench_compiled_model_uses_one_graph_for_all_static_shapes(tmp_path):
 
 @pytest.mark.slow
 def test_bench_compiled_unpadded_model_stops_recompiling_after_warm_up(tmp_path):
-    """torch.compile with unpadded attention: the packings' token and sentence counts vary too, and padding to
-    a multiple of 8 changes one side or both; no branch on those sizes, so after at most one recompilation
-    (the sizes made dynamic) no batch compiles a graph. Before the fix: a recompilation every few steps."""
+    """torch.compile with unpadded attention: the packings' token and sentence counts vary too, as do the padded
+    lengths; no branch on those sizes, so after at most one recompilation (the sizes made dynamic) no batch
+    compiles a graph. Before the fix: a recompilation every few steps."""
     r = record(bench(tmp_path, *TINY, "model.d_model=32", "model.d_ff=64", "model.h=2", "trainer.compile=true",
                      "trainer.unpadded_attention=true", "model.dropout=0.0", "bench.warmup=4", "bench.steps=4"))
     assert r["compile"] is True and r["graphs"] <= 2 and r["graphs_during_timed"] == 0
@@ -398,7 +401,7 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
     assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual", "fp8", "compile+fp8",
                                                 "cuda_graphs", "cuda_graphs+steps8", "all", "compile+unpadded",
-                                                "compile+pad1"}
+                                                "compile+pad8"}
 
 
 def test_bench_gpu_keeps_the_compiled_code_of_a_traced_compiled_run(tmp_path, monkeypatch):

@@ -95,7 +95,7 @@ class TrainerConfig:
     # Speed switches (transformer/training/speedups.py; measured or not, docs/performance.md):
     tf32: bool = True  # GPUs: float32 matrix products in TF32 (no effect on bf16 autocast's products)
     keep_freed_memory: bool = True  # CPUs (glibc): freed tensor memory is reused, not handed back to the kernel
-    pad_to_multiple: Optional[int] = None  # batch lengths padded up to a multiple; None: 8 with compile, else 1
+    pad_to_multiple: Optional[int] = None  # batch lengths padded up to a multiple; None: 1, no padding
     activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory
     ddp_bucket_mb: int = 25  # DDP gradient bucket size
     ddp_static_graph: bool = False  # DDP static_graph=True (the same parameters get gradients every step)

@@ -102,11 +102,11 @@ def emulated_bf16(device: torch.device) -> Optional[str]:
 
 
 def pad_multiple(tcfg) -> int:
-    """trainer.pad_to_multiple, or its default: 8 under torch.compile (fewer distinct shapes, tensor-core
-    friendly lengths), 1 (no padding) in eager mode, where every extra position is wasted work."""
-    if tcfg.pad_to_multiple is not None:
-        return tcfg.pad_to_multiple
-    return 8 if tcfg.compile else 1
+    """trainer.pad_to_multiple, or its default: 1, no padding, since every extra position is wasted work. Under
+    torch.compile too: lengths are marked dynamic, so rounding them no longer bounds recompilation; the
+    generated kernels take symbolic sizes, and the products' and attention's alignment needs are on d_model
+    and the mask's row stride (layers.padding_bias), not on the lengths (docs/performance.md, the switches)."""
+    return tcfg.pad_to_multiple if tcfg.pad_to_multiple is not None else 1
 
 
 def prepare_batch(batch: Batch, multiple: int, dynamic: bool, shape: Optional[tuple] = None) -> Batch:
