@@ -387,7 +387,10 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     assert order[:len(bench_gpu.HEAD)] == bench_gpu.HEAD  # before the GPU tier: the defaults, and `all`
     assert order[:4] == [("big@16k", "eager"), ("base@16k", "eager"), ("big@16k", "all"), ("base@16k", "all")]
     assert ("big@16k", "loss=fused") in runs and ("multi30k", "cuda_graphs") in runs
-    assert order.index(("big@16k", "compile+fp8")) < 8  # the sets never measured come next
+    # next: the fastest step measured, with and without compile's old rounding to 8, then compile on packed tokens
+    assert order[4:8] == [("big@16k", "compile+bf16_residual"), ("base@16k", "compile+bf16_residual"),
+                          ("big@16k", "compile+bf16_residual+pad8"), ("base@16k", "compile+bf16_residual+pad8")]
+    assert order.index(("big@16k", "compile+unpadded")) == 8 and order.index(("big@16k", "compile+fp8")) < 16
     assert order.index(("base@16k", "cuda_graphs")) < order.index(("big@16k", "loss=reference"))  # set by set
     assert {(s["workload"], s["switches"]) for s in skipped} == {("big@16k", "wishful"), ("base@16k", "wishful")}
     assert "model.no_such_switch" in skipped[0]["why"]
@@ -401,7 +404,7 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
     assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual", "fp8", "compile+fp8",
                                                 "cuda_graphs", "cuda_graphs+steps8", "all", "compile+unpadded",
-                                                "compile+pad8"}
+                                                "compile+bf16_residual+pad8"}
 
 
 def test_bench_gpu_keeps_the_compiled_code_of_a_traced_compiled_run(tmp_path, monkeypatch):
