@@ -17,6 +17,7 @@ checkout's config lacks is skipped and recorded, so the table may name switches 
 """
 import argparse
 import collections
+import gzip
 import importlib.util
 import json
 import os
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -198,6 +200,17 @@ def kept_files(out: Path, workload: str, switches: str) -> dict:
     return {"trace": out.with_name(stem + ".trace.json.gz"), "code": out.with_name(stem + ".inductor.txt")}
 
 
+def gzipped(path: Optional[Path]) -> Optional[Path]:
+    """`path` replaced by `path`.gz (a compiled model's logged code is megabytes of text; the device tool brings
+    back files of up to 16 MiB); None when there is no such file."""
+    if path is None or not path.is_file():
+        return None
+    packed = path.with_name(path.name + ".gz")
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    path.unlink()
+    return packed
+
+
 def run_bench(workload: str, switches: str, overrides: list, out: Path, log: Path, timeout: float):
     print(f"--- {workload} [{switches}]: transformer-bench {' '.join(overrides)}", flush=True)
     t0 = time.time()
@@ -210,9 +223,11 @@ def run_bench(workload: str, switches: str, overrides: list, out: Path, log: Pat
         res = subprocess.run([sys.executable, "-m", "transformer.cli.bench", *overrides], cwd=REPO, env=run_env,
                              capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
+        gzipped(code)
         print(f"    timed out after {timeout:.0f} s", flush=True)
         append(out, {**base, "returncode": 124, "error": f"timed out after {timeout:.0f} s"})
         return None
+    code = gzipped(code)
     with open(log, "a") as f:
         f.write(f"--- {workload} [{switches}] {' '.join(overrides)}\n{res.stdout}\n{res.stderr[-5000:]}\n")
     if res.returncode != 0:  # out of memory at a large max_tokens, say: recorded, and the others still run
@@ -221,7 +236,7 @@ def run_bench(workload: str, switches: str, overrides: list, out: Path, log: Pat
         append(out, {**base, "returncode": res.returncode, "error": error})
         return None
     record = {**json.loads(res.stdout.strip().splitlines()[-1]), **base, "seconds": round(time.time() - t0, 1),
-              "compiled_code": code.name if code is not None and code.is_file() else None}
+              "compiled_code": code.name if code is not None else None}
     mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
     print(f"    {record['tgt_tokens_per_s']:,.0f} tgt tok/s, MFU {mfu}, {record['seconds']:.0f} s", flush=True)
     append(out, record)

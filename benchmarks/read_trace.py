@@ -119,13 +119,15 @@ def main(argv=None) -> int:
     p.add_argument("trace", nargs="?", type=Path, help="a bench.trace file (.json or .json.gz)")
     p.add_argument("--gaps", type=int, default=15, help="how many operators and gaps to list")
     p.add_argument("--min-gap-us", type=float, default=2.0, help="shorter idle spans are not counted as gaps")
-    p.add_argument("--code", type=Path, help="torch.compile's logged output code (TORCH_LOGS=output_code)")
+    p.add_argument("--code", type=Path, help="torch.compile's logged output code (TORCH_LOGS=output_code; .gz too)")
     p.add_argument("--kernel", help="with --code: the compiled kernel whose source to print")
     args = p.parse_args(argv)
     if args.code:
         if not args.kernel:
             p.error("--code needs --kernel NAME")
-        source = kernel_source(args.code.read_text(errors="replace"), args.kernel)
+        raw = args.code.read_bytes()
+        source = kernel_source((gzip.decompress(raw) if args.code.suffix == ".gz" else raw).decode(errors="replace"),
+                               args.kernel)
         if source is None:
             print(f"error: no kernel named {args.kernel} in {args.code}", file=sys.stderr)
             return 2

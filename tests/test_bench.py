@@ -408,8 +408,10 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
 
 
 def test_bench_gpu_keeps_the_compiled_code_of_a_traced_compiled_run(tmp_path, monkeypatch):
-    """A KEEP run under torch.compile logs the generated code (TORCH_LOGS=output_code) to a file beside --out
-    that the record names; a run without a trace, or not compiled, logs none."""
+    """A KEEP run under torch.compile logs the generated code (TORCH_LOGS=output_code) to a file beside --out,
+    gzipped, that the record names; a run without a trace, or not compiled, logs none."""
+    import gzip
+
     bench_gpu = load_benchmark("bench_gpu")
     out, seen = tmp_path / "b.jsonl", []
 
@@ -423,7 +425,9 @@ def test_bench_gpu_keeps_the_compiled_code_of_a_traced_compiled_run(tmp_path, mo
     trace = f"bench.trace={bench_gpu.kept_files(out, 'base@16k', 'all')['trace']}"
     r = bench_gpu.run_bench("base@16k", "all", ["trainer.compile=true", trace], out, tmp_path / "b.log", 60)
     assert seen[-1] == {"TORCH_LOGS": "output_code", "TORCH_LOGS_OUT": str(tmp_path / "b.base-16k-all.inductor.txt")}
-    assert r["compiled_code"] == "b.base-16k-all.inductor.txt"
+    assert r["compiled_code"] == "b.base-16k-all.inductor.txt.gz"  # gzipped: the device tool's 16 MiB a file
+    assert gzip.decompress((tmp_path / r["compiled_code"]).read_bytes()).decode().startswith("def triton_per_fused")
+    assert not (tmp_path / "b.base-16k-all.inductor.txt").exists()
     for overrides in (["trainer.compile=true"], [trace]):
         assert bench_gpu.run_bench("base@16k", "x", overrides, out, tmp_path / "b.log", 60)["compiled_code"] is None
         assert seen[-1] == {"TORCH_LOGS": None, "TORCH_LOGS_OUT": None}

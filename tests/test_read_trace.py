@@ -99,3 +99,7 @@ def test_kernel_source_from_the_logged_output_code(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == 'extern "C" void kernel(float* out_ptr0)'
     assert read_trace.main(["--code", str(code), "--kernel", "nope"]) == 2
     assert capsys.readouterr().err.strip() == f"error: no kernel named nope in {code}"
+    packed = tmp_path / "code.txt.gz"  # as make bench-gpu keeps it
+    packed.write_bytes(gzip.compress(CODE.encode()))
+    assert read_trace.main(["--code", str(packed), "--kernel", "cpp_fused_add_0"]) == 0
+    assert capsys.readouterr().out.strip() == 'extern "C" void kernel(float* out_ptr0)'
