@@ -53,6 +53,33 @@ def loss_curve(t, bs, accumulate=1):
     return np.array([(r.loss / r.tokens).item() for r in results])
 
 
+def test_a_cuda_trace_puts_the_host_gap_on_the_operator_after_it(tmp_path):
+    """benchmarks/read_trace.py on a real CUDA timeline, as bench.trace writes it (its tests elsewhere use a
+    synthetic one): kernels found and matched to the operators that launched them, and a gap the host makes
+    by sleeping between two launches counted as the host's."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from tests.helpers.benchmarks import load_benchmark
+    from transformer.training.profiling import write_trace
+
+    read_trace = load_benchmark("read_trace")
+    x = torch.randn(1024, 1024, device=CUDA)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        y = x @ x
+        torch.cuda.synchronize()
+        time.sleep(0.01)  # the GPU has nothing to run for 10 ms
+        y.relu()
+        torch.cuda.synchronize()
+    write_trace(prof, tmp_path / "t.json.gz")
+    r = read_trace.gaps(read_trace.load(tmp_path / "t.json.gz"))
+    longest = max(r["gaps"], key=lambda g: g["us"])
+    assert r["busy_us"] > 0 and longest["us"] >= 9000 and longest["host"] and r["host_idle_us"] >= longest["us"]
+    assert longest["op"].startswith("aten::"), longest  # the relu's own operator, found by correlation id
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
 def test_training_steps_on_gpu_reduce_the_loss(tmp_path, precision):
     t = make_trainer(tmp_path, precision)
