@@ -17,7 +17,7 @@ import json
 import re
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 DEVICE = ("kernel", "gpu_memcpy", "gpu_memset")  # Kineto's categories of work on the GPU's timeline
 LAUNCH = ("cuda_runtime", "cuda_driver")  # the host's calls that queue it (launches, graph launches, copies)
@@ -30,8 +30,8 @@ def load(path: Path) -> List[dict]:
     return [e for e in json.loads(raw)["traceEvents"] if e.get("ph") == "X" and "ts" in e]
 
 
-def launching_ops(events: List[dict]) -> Dict[int, str]:
-    """correlation id -> the innermost host operator open on the launch call's thread when it was made."""
+def launches(events: List[dict]) -> Dict[int, Tuple[str, float]]:
+    """correlation id -> (the innermost host operator open on the launch call's thread, the call's start)."""
     by_thread = collections.defaultdict(list)
     for e in events:
         if e.get("cat") in HOST_OPS + LAUNCH:
@@ -46,15 +46,10 @@ def launching_ops(events: List[dict]) -> Dict[int, str]:
             if e["cat"] in LAUNCH:
                 corr = (e.get("args") or {}).get("correlation")
                 if corr is not None:
-                    found[corr] = stack[-1]["name"] if stack else "(no operator)"
+                    found[corr] = (stack[-1]["name"] if stack else "(no operator)", e["ts"])
             else:
                 stack.append(e)
     return found
-
-
-def launch_times(events: List[dict]) -> Dict[int, float]:
-    return {e["args"]["correlation"]: e["ts"] for e in events
-            if e.get("cat") in LAUNCH and (e.get("args") or {}).get("correlation") is not None}
 
 
 def gaps(events: List[dict], min_gap_us: float = 2.0) -> dict:
@@ -64,23 +59,18 @@ def gaps(events: List[dict], min_gap_us: float = 2.0) -> dict:
     device = sorted((e for e in events if e.get("cat") in DEVICE), key=lambda e: e["ts"])
     if not device:
         return {"window_us": 0.0, "busy_us": 0.0, "idle_us": 0.0, "host_idle_us": 0.0, "gaps": []}
-    ops, launched = launching_ops(events), launch_times(events)
-    busy, found, end = 0.0, [], device[0]["ts"]
+    launched = launches(events)
+    idle, found, end = 0.0, [], device[0]["ts"]
     start = end
     for e in device:
-        e_end = e["ts"] + e.get("dur", 0)
-        if e["ts"] > end:
-            idle = e["ts"] - end
-            if idle >= min_gap_us:
-                corr = (e.get("args") or {}).get("correlation")
-                found.append({"us": idle, "kernel": e["name"], "op": ops.get(corr, "(unmatched)"),
-                              "host": launched.get(corr, float("-inf")) >= end})
-            busy += e_end - e["ts"]
-        else:
-            busy += max(e_end - end, 0.0)
-        end = max(end, e_end)
+        if e["ts"] > end:  # the device ran dry at `end`
+            idle += e["ts"] - end
+            if e["ts"] - end >= min_gap_us:
+                op, at = launched.get((e.get("args") or {}).get("correlation"), ("(unmatched)", float("-inf")))
+                found.append({"us": e["ts"] - end, "kernel": e["name"], "op": op, "host": at >= end})
+        end = max(end, e["ts"] + e.get("dur", 0))
     window = end - start
-    return {"window_us": window, "busy_us": busy, "idle_us": window - busy,
+    return {"window_us": window, "busy_us": window - idle, "idle_us": idle,
             "host_idle_us": sum(g["us"] for g in found if g["host"]), "gaps": found}
 
 

@@ -385,7 +385,6 @@ def _report(record: dict, out: Optional[str]) -> None:
     line = json.dumps(record)
     print(table(record))
     print(line, flush=True)
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
+    if out:  # its folder made by check_outputs before the measuring
         with open(out, "a") as f:
             f.write(line + "\n")
