@@ -55,6 +55,10 @@ SWITCH_SETS = {
     # Section 5.4 has none there; flash-attn would keep it): the sublayers and embeddings still drop at P_drop
     "unpadded": ("trainer.unpadded_attention=true", "model.attention_dropout=0"),
     "compile+unpadded": ("trainer.compile=true", "trainer.unpadded_attention=true", "model.attention_dropout=0"),
+    # packed token budgets (transformer/data/packed.py): the real tokens end to end, filled to a few token counts,
+    # each step replayed as CUDA graphs: neither padding nor the ladder's rounding, a little filler instead
+    "cuda_graphs+unpadded": ("trainer.cuda_graphs=true", "trainer.unpadded_attention=true",
+                             "model.attention_dropout=0"),
     "attn_dropout0": ("model.attention_dropout=0",),  # padded attention without a random mask: what that buys
     "compile": ("trainer.compile=true",),
     # the fastest step measured with compile's lengths rounded up to a multiple of 8, its default until 2026-11-29
@@ -67,6 +71,8 @@ SWITCH_SETS = {
     # every switch that removes work or launches at once (compile + CUDA graphs: never run together yet)
     "all": ("trainer.compile=true", "trainer.bf16_residual=true", "trainer.cuda_graphs=true",
             "trainer.loss=compiled"),
+    "all+unpadded": ("trainer.compile=true", "trainer.bf16_residual=true", "trainer.cuda_graphs=true",
+                     "trainer.loss=compiled", "trainer.unpadded_attention=true", "model.attention_dropout=0"),
 }
 # CUDA graphs capture each new static shape (a few steps' time): more warm-up keeps captures out of the timing.
 SWITCH_SETS = {k: (*v, "bench.warmup=60") if "trainer.cuda_graphs=true" in v else v for k, v in SWITCH_SETS.items()}
@@ -80,15 +86,17 @@ SWITCH_SETS.update(FIT_SETS)
 # base at 16k with the defaults (the baseline each lease measures again) and with every switch at once (`all`,
 # not yet timed to the end: docs/performance.md). Then, after the tier: the fastest step measured, with and
 # without the rounding to 8 it was measured with (the default changed since; the compiler's caches make the
-# second compilation shorter), compile on packed tokens, then fp8 and compile alone, never measured; the recipe's
+# second compilation shorter), compile on packed tokens, every switch on packed token budgets and those budgets
+# graphed alone (since 2026-11-29), then fp8 and compile alone, never measured; the recipe's
 # update on one GPU fixed and fitted; Multi30k's batches; the sets measured before, again; the remaining
 # workloads eager; then every switch set at the recipes' sizes.
 HEAD = [(w, s) for s in ("eager", "all") for w in ("big@16k", "base@16k")]
-FIRST = ("compile+bf16_residual", "compile+bf16_residual+pad8", "compile+unpadded", "fp8", "compile+fp8", "compile",
-         "loss=fused", "cuda_graphs")
+FIRST = ("compile+bf16_residual", "compile+bf16_residual+pad8", "compile+unpadded", "all+unpadded",
+         "cuda_graphs+unpadded", "fp8", "compile+fp8", "compile", "loss=fused", "cuda_graphs")
 PLAN = (HEAD + [(w, s) for s in FIRST for w in ("big@16k", "base@16k")]
         + [("big@recipe", s) for s in FIT_SETS]
-        + [(w, s) for w in ("multi30k",) for s in ("eager", "cuda_graphs", "cuda_graphs+steps8", "all")]
+        + [(w, s) for w in ("multi30k",) for s in ("eager", "cuda_graphs", "cuda_graphs+unpadded", "cuda_graphs+steps8",
+                                                    "all")]
         + [(w, s) for s in SWITCH_SETS if s != "eager" and s not in FIT_SETS for w in ("big@16k", "base@16k")]
         + [(w, "eager") for w in ("big@recipe", "base@recipe", "big@32k")]
         + [(w, s) for w in ("big@recipe", "base@recipe") for s in SWITCH_SETS if s != "eager"])
@@ -96,8 +104,8 @@ PLAN = list(dict.fromkeys(PLAN))  # each run once, at its first place
 # 3 timed windows of 40 steps (issue 48: at least 100 steps, and the spread of repeats), after 10 warm-up steps
 COMMON = ("bench.synthetic=true", "bench.warmup=10", "bench.steps=40", "trainer.progress=false")
 # The GPU test tier, the files of the newest GPU code first: what a short lease must check before the rest.
-TIER_FIRST = ("test_graphs.py", "test_varlen.py", "test_loss_optim.py", "test_residual.py", "test_microbatch.py",
-              "test_fp8.py", "test_gpu.py")
+TIER_FIRST = ("test_packed.py", "test_graphs.py", "test_varlen.py", "test_loss_optim.py", "test_residual.py",
+              "test_microbatch.py", "test_fp8.py", "test_gpu.py")
 # Runs that keep files beside --out as well as numbers (<out stem>.<workload>-<set>.*, names the device tool
 # brings back): the profile window's timeline (bench.trace: every kernel and host call in order, for Perfetto)
 # and, under torch.compile, the code it generated (torch's TORCH_LOGS=output_code): the profile names compiled

@@ -390,7 +390,11 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     # next: the fastest step measured, with and without compile's old rounding to 8, then compile on packed tokens
     assert order[4:8] == [("big@16k", "compile+bf16_residual"), ("base@16k", "compile+bf16_residual"),
                           ("big@16k", "compile+bf16_residual+pad8"), ("base@16k", "compile+bf16_residual+pad8")]
-    assert order.index(("big@16k", "compile+unpadded")) == 8 and order.index(("big@16k", "compile+fp8")) < 16
+    assert order.index(("big@16k", "compile+unpadded")) == 8 and order.index(("big@16k", "compile+fp8")) < 20
+    # then every switch on packed token budgets, and those budgets graphed alone
+    assert order[10:14] == [("big@16k", "all+unpadded"), ("base@16k", "all+unpadded"),
+                            ("big@16k", "cuda_graphs+unpadded"), ("base@16k", "cuda_graphs+unpadded")]
+    assert ("multi30k", "cuda_graphs+unpadded") in runs
     assert order.index(("base@16k", "cuda_graphs")) < order.index(("big@16k", "loss=reference"))  # set by set
     assert {(s["workload"], s["switches"]) for s in skipped} == {("big@16k", "wishful"), ("base@16k", "wishful")}
     assert "model.no_such_switch" in skipped[0]["why"]
@@ -404,7 +408,7 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
     assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual", "fp8", "compile+fp8",
                                                 "cuda_graphs", "cuda_graphs+steps8", "all", "compile+unpadded",
-                                                "compile+bf16_residual+pad8"}
+                                                "compile+bf16_residual+pad8", "all+unpadded", "cuda_graphs+unpadded"}
 
 
 def test_bench_gpu_keeps_the_compiled_code_of_a_traced_compiled_run(tmp_path, monkeypatch):

@@ -125,8 +125,10 @@ def test_ctranslate2_int8_loads_and_scores_close(tmp_path):
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())  # quantised copies, not the model
     theirs, ours, _, _ = ct2_logprobs(tmp_path / "int8", tok, model, compute_type="int8")
     # zip(a, b): an output cut at its length limit has no </s>, which score_batch scores all the same
-    diff = max(abs(x - y) for a, b in zip(theirs, ours, strict=True) for x, y in zip(a, b, strict=False))
-    assert 0 < diff < 0.5  # quantised: not the float32 numbers, but near them
+    diffs = [abs(x - y) for a, b in zip(theirs, ours, strict=True) for x, y in zip(a, b, strict=False)]
+    # quantised: not the float32 numbers, but near them on average; a single token moves further where the CPU's
+    # int8 products lack VNNI (docs/interop.md), while a wrong weight or scale moves every token by nats
+    assert 0 < sum(diffs) / len(diffs) < 0.1 and max(diffs) < 1.0
 
 
 def random_marian(tmp_path, share=True, tie=True, **overrides):

@@ -114,13 +114,15 @@ class TrainerConfig:
     # Training micro-batches padded to a few fixed (rows, source, target) shapes (transformer/data/shapes.py):
     # lengths on a ladder (multiples of 4 to 32, then 4 steps an octave), rows from data.max_tokens; padding rows carry
     # no loss. Few shapes for torch.compile and CUDA graphs, at the cost of padding (transformer-bench reports it).
+    # With unpadded_attention: the real tokens packed end to end, filled up to a few token budgets instead
+    # (transformer/data/packed.py): no padding, a little filler.
     static_shapes: bool = False
     # Ladder lengths an octave (2, 4, 8 or 16): 8 halves the ladder's padding (multiples of 2 to 32, then 8 steps an
     # octave) for about twice the shapes, each a CUDA graph captured once (benchmarks/bench_shapes.py counts both).
     shape_steps: int = 4
     # CUDA: each static shape's forward+backward and the update replayed as CUDA graphs, the gradient all-reduce
-    # eager between them (transformer/training/graphs.py); implies static_shapes. Not with fp16, unpadded
-    # attention or activation checkpointing.
+    # eager between them (transformer/training/graphs.py); implies static_shapes (packed token budgets with
+    # unpadded_attention). Not with fp16 or activation checkpointing.
     cuda_graphs: bool = False
 
 
@@ -320,16 +322,13 @@ def check_trainer(t) -> None:
     _check(t.pad_to_multiple is None or t.pad_to_multiple >= 1, "trainer.pad_to_multiple", t.pad_to_multiple,
            "must be >= 1 or null")
     _check(t.ddp_bucket_mb > 0, "trainer.ddp_bucket_mb", t.ddp_bucket_mb, "must be > 0")
-    for key, conflict in (("unpadded_attention", "packs the real tokens into shapes that vary"),
-                          ("activation_checkpointing", "its recomputation is not captured"),
+    for key, conflict in (("activation_checkpointing", "its recomputation is not captured"),
                           ("precision", "fp16's grad scaler reads its overflow check on the host: use bf16 or fp32")):
         on = t[key] == "fp16" if key == "precision" else t[key]
         _check(not (on and t.cuda_graphs), "trainer.cuda_graphs", True,
                f"not with trainer.{key}={str(t[key]).lower()}: {conflict}")
     _check(t.shape_steps in SHAPE_STEPS, "trainer.shape_steps", t.shape_steps,
            f"must be one of {', '.join(map(str, SHAPE_STEPS))}")
-    _check(not (t.static_shapes and t.unpadded_attention), "trainer.static_shapes", True,
-           "not with trainer.unpadded_attention=true: it packs the real tokens into shapes that vary")
 
 
 def check_data(d) -> None:

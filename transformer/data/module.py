@@ -4,6 +4,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from transformer.data import packed
 from transformer.data.batch import Batch, PairDataset, collate, packed_collate
 from transformer.data.sampler import TokenBatchSampler
 from transformer.data.shapes import STEPS
@@ -87,6 +88,15 @@ class DataModule:
         sampler.static_shapes, sampler.shape_steps, sampler._cache = True, steps, (None, None)
         self._epochs.clear()
 
+    def use_packed_budgets(self, steps: int = STEPS) -> None:
+        """trainer.static_shapes (or cuda_graphs) with trainer.unpadded_attention: training batches cut by their
+        real tokens and collated flat, filled up to a few token budgets (transformer/data/packed.py).
+        Validation batches stay padded, with their packings. Before the first epoch is planned."""
+        self._sampler_args.update(packed=True, shape_steps=steps)
+        self.train_sampler = TokenBatchSampler(self.train.src_sizes, self.train.tgt_sizes, **self._sampler_args)
+        self.train_sampler.check_packed()
+        self._epochs.clear()
+
     @property
     def src_vocab_size(self) -> int:
         return self.tokenizer.src_vocab_size
@@ -131,10 +141,10 @@ class DataModule:
         data, sampler = self._train(epoch)
         batches = sampler.rank_batches(epoch, start)
         if not self.num_workers or data is not self.train:
-            return self._loader(data, batches)
+            return self._loader(data, batches, self._train_collate)
         if self._persistent is None:
             self._persistent = torch.utils.data.DataLoader(
-                self.train, batch_sampler=self._plan, collate_fn=self._collate, num_workers=self.num_workers,
+                self.train, batch_sampler=self._plan, collate_fn=self._train_collate, num_workers=self.num_workers,
                 pin_memory=self.pin_memory, persistent_workers=True, prefetch_factor=4)
         self._plan.batches = batches  # read by the next iter(): the workers' queues are refilled from it
         return self._persistent
@@ -143,15 +153,22 @@ class DataModule:
         """This rank's shard of the validation split (sums must be all-reduced)."""
         return self._loader(self.valid, self.valid_sampler.rank_batches(0))
 
-    def _loader(self, dataset: PairDataset, batches: List[np.ndarray]) -> Iterable[Batch]:
+    def _loader(self, dataset: PairDataset, batches: List[np.ndarray], collate_fn=None) -> Iterable[Batch]:
         return torch.utils.data.DataLoader(
-            dataset, batch_sampler=batches, collate_fn=self._collate,  # index arrays, not lists: no per-epoch copy
+            dataset, batch_sampler=batches, collate_fn=collate_fn or self._collate,  # index arrays: no per-epoch copy
             num_workers=self.num_workers, pin_memory=self.pin_memory,
             persistent_workers=False, prefetch_factor=4 if self.num_workers else None)
 
     @property
     def _collate(self):
         return packed_collate if self.packings else collate
+
+    @property
+    def _train_collate(self):
+        if self._sampler_args.get("packed"):
+            widths = (int(self.train.src_sizes.max(initial=0)), int(self.train.tgt_sizes.max(initial=0)))
+            return packed.Collate(self.train_sampler.cap, self._sampler_args["shape_steps"], widths)
+        return self._collate
 
     def close(self) -> None:
         """Stops the persistent loader workers and releases the splits' memory maps (the trainer calls this

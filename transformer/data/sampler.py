@@ -10,6 +10,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from transformer.data.packed import reserve
 from transformer.data.shapes import STEPS, shape_length
 
 
@@ -17,12 +18,14 @@ class TokenBatchSampler:
     def __init__(self, src_sizes: np.ndarray, tgt_sizes: np.ndarray, max_tokens: int,
                  max_sentences: Optional[int] = None, seed: int = 0, rank: int = 0, world_size: int = 1,
                  shuffle: bool = True, max_tokens_by_epoch: Sequence[int] = (), static_shapes: bool = False,
-                 shape_steps: int = STEPS):
+                 shape_steps: int = STEPS, packed: bool = False):
         """`*_sizes` are padded lengths (special tokens included). A batch of n pairs costs
         n * max(longest source, longest target) tokens, which must stay <= max_tokens, or, in the first
         len(max_tokens_by_epoch) epochs, <= the epoch's entry there (a ramp of batch sizes). With
         `static_shapes` a length costs its ladder length (transformer/data/shapes.py, `shape_steps` lengths an
-        octave), so the batch padded to its static shape still fits the budget."""
+        octave), so the batch padded to its static shape still fits the budget. With `packed` (packed token
+        budgets, transformer/data/packed.py) a batch costs its real tokens instead: each side's sum stays within
+        the budget less the filler reserve."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")
         self.src_sizes = np.asarray(src_sizes, dtype=np.int64)
@@ -30,7 +33,7 @@ class TokenBatchSampler:
         self.max_tokens, self.max_sentences = max_tokens, max_sentences or len(self.src_sizes)
         self.max_tokens_by_epoch = list(max_tokens_by_epoch)
         self.seed, self.rank, self.world_size, self.shuffle = seed, rank, world_size, shuffle
-        self.static_shapes, self.shape_steps = static_shapes, shape_steps
+        self.static_shapes, self.shape_steps, self.packed = static_shapes, shape_steps, packed
         self._cache: tuple = (None, None)
         longest = int(np.maximum(self.src_sizes, self.tgt_sizes).max(initial=0))
         by_epoch = self.max_tokens_by_epoch
@@ -62,7 +65,9 @@ class TokenBatchSampler:
         if self.static_shapes:  # the ladder is non-decreasing in the size: the sorted order stays sorted
             ladder = [shape_length(n, self.shape_steps) for n in range(int(size.max(initial=0)) + 1)]
             cost = np.array(ladder, dtype=np.int64)[cost]
-        batches = [order[a:b] for a, b in self._bounds(cost, self.tokens_of(epoch))]
+        bounds = (self._packed_bounds(order, self.tokens_of(epoch) - reserve(self.cap)) if self.packed
+                  else self._bounds(cost, self.tokens_of(epoch)))
+        batches = [order[a:b] for a, b in bounds]
         batches = self._split_to_multiple(batches)
         if self.shuffle:
             batches = [batches[j] for j in rng.permutation(len(batches))]
@@ -85,6 +90,32 @@ class TokenBatchSampler:
         start = 0
         while start < len(size):
             end = max(int(np.searchsorted(reach, start, side="right")), start + 1)
+            yield start, end
+            start = end
+
+    @property
+    def cap(self) -> int:
+        """The largest token budget of any epoch: what packed batches are filled up to at most."""
+        return max([self.max_tokens, *self.max_tokens_by_epoch])
+
+    def check_packed(self) -> None:
+        """Packed budgets: the longest example and the filler reserve must fit the smallest budget."""
+        longest = int(max(self.src_sizes.max(initial=0), self.tgt_sizes.max(initial=0)))
+        smallest = min([self.max_tokens, *self.max_tokens_by_epoch])
+        if longest + reserve(self.cap) > smallest:
+            raise ValueError(f"data.max_tokens={smallest} cannot hold the longest example ({longest} tokens) and "
+                             f"the packed batches' filler reserve ({reserve(self.cap)}): raise data.max_tokens")
+
+    def _packed_bounds(self, order: np.ndarray, limit: int):
+        """Greedy packing by real tokens: a batch from `start` ends before the first example that would take the
+        source's or the target's sum past `limit`, or past max_sentences examples (cumulative sums and a binary
+        search a batch)."""
+        sums = [np.concatenate([[0], np.cumsum(sizes[order])]) for sizes in (self.src_sizes, self.tgt_sizes)]
+        n, start = len(order), 0
+        while start < n:
+            end = min([int(np.searchsorted(c, c[start] + limit, side="right")) - 1 for c in sums]
+                      + [start + self.max_sentences, n])
+            end = max(end, start + 1)
             yield start, end
             start = end
 

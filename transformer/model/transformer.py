@@ -92,12 +92,16 @@ class Embedding(nn.Module):
         self.dropout = Dropout(dropout)
         self.bf16_residual = False
 
-    def forward(self, ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
-        T = ids.size(1)
+    def forward(self, ids: torch.Tensor, offset: int = 0, positions: Optional[torch.Tensor] = None,
+                longest: int = 0) -> torch.Tensor:
+        """ids (B, T) -> (B, T, d_model), positions offset..offset+T-1; or packed ids (N,) at `positions` (N,),
+        each < `longest`, -> (N, d_model)."""
+        T = ids.size(1) if positions is None else longest
         if offset + T > self.pe.size(0):
             self.pe = sinusoidal_positions(2 * (offset + T), self.pe.size(1)).to(self.pe.device)
-        x = self.tokens(ids) * self.scale  # (B, T, d_model)
-        x = self.dropout(x + self.pe[offset:offset + T].to(x.dtype))
+        x = self.tokens(ids) * self.scale  # (B, T, d_model) or (N, d_model)
+        pe = self.pe[offset:offset + T] if positions is None else self.pe.index_select(0, positions)
+        x = self.dropout(x + pe.to(x.dtype))
         dtype = stream_dtype(x) if self.bf16_residual else None
         return x if dtype is None else x.to(dtype)
 
@@ -249,6 +253,8 @@ class Transformer(nn.Module):
         real tokens (`Batch.packings`, made by the loader), used with unpadded attention; without them it
         packs here, reading two device values (a host sync each)."""
         if self.unpadded_attention:
+            if src.dim() == 1:  # a packed batch (transformer/data/packed.py): logits of its target tokens only
+                return self._forward_tokens(src, tgt_in, packings)
             return self._forward_packed(src, tgt_in, packings)
         memory, src_mask = self.encode(src)
         return self.decode(tgt_in, memory, src_mask)
@@ -269,6 +275,19 @@ class Transformer(nn.Module):
         for layer, kv in zip(self.decoder, memory_kv, strict=True):
             y = layer(y, kv, VarlenMask(tp, sp), tgt_mask=VarlenMask(tp, tp))
         return self.generator(unpack(self._final_norm(self.dec_norm, y), tp))  # (B, T, V)
+
+    def _forward_tokens(self, src: torch.Tensor, tgt_in: torch.Tensor, packings: Tuple[Packing, Packing]):
+        """`forward` on a packed batch: src (N_s,), tgt_in (N_t,), the sentences end to end as `packings` say
+        (their width T sets each token's position, index % T) -> logits (N_t, V)."""
+        sp, tp = packings
+        x = self.src_embed(src, positions=sp.index % sp.T, longest=sp.T)  # (N_s, d_model)
+        for layer in self.encoder:
+            x = layer(x, VarlenMask(sp, sp))
+        memory_kv = self.project_memory(self._final_norm(self.enc_norm, x))  # (N_dec, 2, N_s, h, d_k)
+        y = self.tgt_embed(tgt_in, positions=tp.index % tp.T, longest=tp.T)  # (N_t, d_model)
+        for layer, kv in zip(self.decoder, memory_kv, strict=True):
+            y = layer(y, kv, VarlenMask(tp, sp), tgt_mask=VarlenMask(tp, tp))
+        return self.generator(self._final_norm(self.dec_norm, y))  # (N_t, V)
 
     def set_unpadded_attention(self, on: bool) -> None:
         """trainer.unpadded_attention: `forward` (training and validation loss) runs on the real tokens only,

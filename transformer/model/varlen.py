@@ -128,6 +128,9 @@ def _reference(q, k, v, qp: Packing, kp: Packing, is_causal: bool, dropout_p: fl
 
     key_mask: Optional[torch.Tensor] = None
     if not is_causal:  # causal self-attention: a real query sees only earlier (real) keys
-        key_mask = (torch.arange(kp.T, device=k.device)[None, :] < kp.lengths[:, None])[:, None, None, :]
+        # An empty sentence (a packed batch's unused slots) keeps its first, zero key: its rows then hold no NaN,
+        # whose gradient would be NaN too, and it has no query to read them.
+        lengths = kp.lengths.clamp(min=1)
+        key_mask = (torch.arange(kp.T, device=k.device)[None, :] < lengths[:, None])[:, None, None, :]
     out = padded_attention(padded(q, qp), padded(k, kp), padded(v, kp), key_mask, is_causal, dropout_p)
     return pack(out.transpose(1, 2), qp)  # (N_q, h, d_k)

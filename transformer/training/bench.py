@@ -28,6 +28,7 @@ import torch
 
 from transformer import dist
 from transformer.config import ConfigError, validate
+from transformer.data import packed
 from transformer.data.batch import PAD
 from transformer.model.flops import real_flops, step_flops
 from transformer.training import speedups
@@ -147,25 +148,39 @@ class Totals:
     def add(self, micro, data_s: float) -> None:
         self.data_s += data_s
         for b in micro:
+            if b.src.dim() == 1:  # packed token budgets: run at its sentences' own lengths, filler included
+                src_lens, tgt_lens = packed.real_lengths(b)
+                run = tuple(p.lengths.numpy() for p in b.packings)
+                self._kept.append((src_lens, tgt_lens, None, packed.shape_of(b), b.n_tokens, run))
+                continue
             B, S = b.src.shape
             T = b.tgt_in.size(1)
             shape = self.shape_of(b) if self.shape_of is not None else None
-            self._kept.append(((b.src != PAD).sum(1), (b.tgt_out != PAD).sum(1), (B, S, T), shape, b.n_tokens))
+            self._kept.append(((b.src != PAD).sum(1), (b.tgt_out != PAD).sum(1), (B, S, T), shape, b.n_tokens, None))
 
     def tally(self) -> "Totals":
-        """Counts what `add` kept; returns self."""
+        """Counts what `add` kept; returns self. A packed batch has no padding of its own (its batch FLOPs are
+        its real ones); its filler sentences are the waste of its static shape."""
         m = self.multiple
-        for src_lens, tgt_lens, (B, S, T), shape, n_tokens in self._kept:
-            src_lens, tgt_lens = src_lens.tolist(), tgt_lens.tolist()  # CPU tensors
-            self.flops_real += real_flops(self.args, src_lens, tgt_lens)
-            self.flops_batch += step_flops(self.args, [(B, S, T)])
-            shape = shape if shape is not None else (B, -(-S // m) * m, -(-T // m) * m)
+        for src_lens, tgt_lens, padded, shape, n_tokens, run in self._kept:
+            src_lens, tgt_lens = src_lens.tolist(), tgt_lens.tolist()  # CPU tensors or arrays
+            real = real_flops(self.args, src_lens, tgt_lens)
+            self.flops_real += real
+            if run is not None:  # packed: no target padding
+                B, slots = len(src_lens), sum(tgt_lens)
+                self.flops_batch += real
+                self.flops_run += real_flops(self.args, run[0].tolist(), run[1].tolist())
+            else:
+                B, S, T = padded
+                slots = B * T
+                self.flops_batch += step_flops(self.args, [(B, S, T)])
+                shape = shape if shape is not None else (B, -(-S // m) * m, -(-T // m) * m)
+                self.flops_run += step_flops(self.args, [shape])
             self.shapes.add(shape)
-            self.flops_run += step_flops(self.args, [shape])
             self.tgt += n_tokens
             self.src += sum(src_lens)
             self.sentences += B
-            self.slots += B * T
+            self.slots += slots
         self._kept.clear()
         return self
 

@@ -32,11 +32,17 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from transformer.config import ConfigError
+from transformer.model.varlen import Packing
 from transformer.specials import PAD
 from transformer.training.loss import label_smoothed_cross_entropy
 from transformer.training.optim import gradient_scale, scaled_gradients
 
 WARMUP = 3  # eager iterations on a side stream before a capture (torch's documented pattern)
+
+
+def _layout(packings) -> Optional[tuple]:
+    """The host numbers of a packed batch's packings, (max_len, B, T) a side: fixed per static shape."""
+    return None if packings is None else tuple((p.max_len, p.B, p.T) for p in packings)
 
 
 def check_cuda_graphs(tcfg, device: torch.device) -> None:
@@ -97,22 +103,29 @@ class GraphStep:
         return self.tokens, self.loss_sum, self.nll_sum
 
     # ---- per micro-batch ---------------------------------------------------------------------------
-    def accumulate(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, dropout: float) -> None:
-        """Adds one statically shaped micro-batch's gradients and sums (src (R, S), tgt_in/tgt_out (R, T))."""
+    def accumulate(self, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, dropout: float,
+                   packings: Optional[Tuple[Packing, Packing]] = None) -> None:
+        """Adds one statically shaped micro-batch's gradients and sums: src (R, S), tgt_in/tgt_out (R, T), or a
+        packed batch (transformer/data/packed.py), src (N_s,), tgt_in/tgt_out (N_t,), and its packings, whose
+        tensors are graph inputs too and whose widths (fixed per shape) are part of the key."""
+        tensors = (src, tgt_in, tgt_out, *(t for p in packings or () for t in (p.index, p.cu_seqlens, p.lengths)))
         if not self.capture:
-            self._forward_backward(src, tgt_in, tgt_out)
+            self._forward_backward(*tensors, layout=_layout(packings))
             return
-        key = (tuple(src.shape), tuple(tgt_in.shape), dropout)
+        key = (*(tuple(t.shape) for t in tensors), _layout(packings), dropout)
         if key not in self.micro:
-            self.micro[key] = self._capture_micro(src, tgt_in, tgt_out)
+            self.micro[key] = self._capture_micro(tensors, _layout(packings))
         graph, inputs = self.micro[key]
-        for static, x in zip(inputs, (src, tgt_in, tgt_out), strict=True):
+        for static, x in zip(inputs, tensors, strict=True):
             static.copy_(x)
         graph.replay()
 
-    def _forward_backward(self, src, tgt_in, tgt_out) -> None:
+    def _forward_backward(self, src, tgt_in, tgt_out, *packed, layout=None) -> None:
+        packings = None
+        if layout is not None:  # the packings rebuilt around this call's (static) tensors
+            packings = tuple(Packing(*packed[3 * i:3 * i + 3], *layout[i]) for i in range(2))
         with self.autocast():
-            logits = self.net(src, tgt_in)  # (R, T, V)
+            logits = self.net(src, tgt_in, packings=packings)  # (R, T, V), or (N_t, V) packed
         loss, nll = label_smoothed_cross_entropy(logits, tgt_out, self.tcfg.label_smoothing, PAD,
                                                  impl=self.loss, inplace=True)
         loss.backward()
@@ -120,13 +133,13 @@ class GraphStep:
         self.nll_sum += nll.detach()
         self.tokens += (tgt_out != PAD).sum()
 
-    def _capture_micro(self, src, tgt_in, tgt_out):
-        inputs = (src.clone(), tgt_in.clone(), tgt_out.clone())
+    def _capture_micro(self, tensors, layout):
+        inputs = tuple(t.clone() for t in tensors)
         graph = torch.cuda.CUDAGraph()
         with self._unchanged([self.flat, self.tokens, self.loss_sum, self.nll_sum]):
-            self._warm_up(lambda: self._forward_backward(*inputs))
+            self._warm_up(lambda: self._forward_backward(*inputs, layout=layout))
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._forward_backward(*inputs)
+                self._forward_backward(*inputs, layout=layout)
         self.pool = graph.pool()
         return graph, inputs
 

@@ -118,15 +118,17 @@ def prepare_batch(batch: Batch, multiple: int, dynamic: bool, shape: Optional[tu
     for the ladder's tens of shapes (CUDA graphs capture each), where the second shape would otherwise
     compile the model again (Dynamo's automatic dynamic shapes), a minute of a GPU lease for big."""
     src, tgt_in, tgt_out, packings = batch.src, batch.tgt_in, batch.tgt_out, batch.packings
-    if shape is not None:  # (trainer.static_shapes refuses unpadded attention: no packings here)
+    if src.dim() == 1:  # packed token budgets (transformer/data/packed.py): collated to a static shape
+        pass
+    elif shape is not None:  # padded static shapes carry no packings (packed budgets replace them)
         src, tgt_in, tgt_out = pad_to_shape(src, tgt_in, tgt_out, shape)
     elif multiple > 1:
         src = _pad_to(src, multiple)
         tgt_in, tgt_out = _pad_to(tgt_in, multiple), _pad_to(tgt_out, multiple)
     if dynamic:
         for t in (src, tgt_in):
-            torch._dynamo.maybe_mark_dynamic(t, 0)
-            torch._dynamo.maybe_mark_dynamic(t, 1)
+            for dim in range(t.dim()):
+                torch._dynamo.maybe_mark_dynamic(t, dim)
         for packing in packings or ():  # unpadded attention: token and sentence counts vary too
             for t in (packing.index, packing.cu_seqlens, packing.lengths):
                 torch._dynamo.maybe_mark_dynamic(t, 0)

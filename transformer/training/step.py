@@ -69,7 +69,7 @@ class TrainStep:
             batch = speedups.prepare_batch(batch.to(device), self.pad_multiple, self.dynamic,
                                            static_shape(batch))
             if graphs is not None:  # forward, loss and backward as one CUDA graph per shape
-                graphs.accumulate(batch.src, batch.tgt_in, batch.tgt_out, dropout)
+                graphs.accumulate(batch.src, batch.tgt_in, batch.tgt_out, dropout, batch.packings)
                 continue
             tokens += batch.n_tokens
             last = i == len(micro) - 1

@@ -68,7 +68,9 @@ class Trainer:
         self.accumulate, self.micro_batch = self.tcfg.accumulate, None
         data.packings = self.tcfg.unpadded_attention  # its batches carry host-made packings: no host sync
         self.static_shapes = self.tcfg.static_shapes or self.tcfg.cuda_graphs  # transformer/data/shapes.py
-        if self.static_shapes:
+        if self.static_shapes and self.tcfg.unpadded_attention:  # packed token budgets (data/packed.py)
+            data.use_packed_budgets(self.tcfg.shape_steps)
+        elif self.static_shapes:
             data.use_static_shapes(self.tcfg.shape_steps)
         self.step = self.epoch = self.batch_index = 0
         self.total_steps: Optional[int] = None  # set by train(), for the ETA
@@ -341,7 +343,7 @@ class Trainer:
 
     def _static_shape(self, batch) -> Optional[tuple]:
         """trainer.static_shapes: the (rows, S, T) this epoch's batch is padded to (transformer/data/shapes.py)."""
-        if not self.static_shapes:
+        if not self.static_shapes or batch.src.dim() == 1:  # a packed batch has its budget's shape already
             return None
         budget = self.data.train_sampler.tokens_of(self.epoch)
         return static_shape(batch.src.size(1), batch.tgt_in.size(1), budget, self.keys.max_sentences,
