@@ -155,6 +155,23 @@ def _moved(tensors: Sequence[torch.Tensor], move) -> List[torch.Tensor]:
     return [flat.as_strided(t.size(), t.stride(), t.storage_offset()) for t in tensors]
 
 
+def write_pair(src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, x: np.ndarray, y: np.ndarray):
+    """Writes one pair from the start of the 1-D views given: x + </s>, <s> + y (the decoder input), y + </s>."""
+    src[:len(x)] = torch.from_numpy(x.astype(np.int64))
+    src[len(x)] = EOS
+    tgt_in[0] = BOS
+    tgt_in[1:len(y) + 1] = torch.from_numpy(y.astype(np.int64))
+    tgt_out[:len(y)] = tgt_in[1:len(y) + 1]
+    tgt_out[len(y)] = EOS
+
+
+def pair_lengths(items: List[Tuple[int, np.ndarray, np.ndarray]]) -> Tuple[np.ndarray, np.ndarray]:
+    """Each pair's source (x + </s>) and target (<s> + y, or y + </s>) lengths."""
+    src = np.fromiter((len(s) + 1 for _, s, _ in items), dtype=np.int64, count=len(items))
+    tgt = np.fromiter((len(t) + 1 for _, _, t in items), dtype=np.int64, count=len(items))
+    return src, tgt
+
+
 def collate(items: List[Tuple[int, np.ndarray, np.ndarray]], packed: bool = False) -> Batch:
     """CPU tensors only: CUDA tensors made in DataLoader workers would break fork and pinning. The four tensors
     are views of one buffer (`_moved`). `packed`: attach the packings of source and target (`Batch.packings`),
@@ -166,17 +183,11 @@ def collate(items: List[Tuple[int, np.ndarray, np.ndarray]], packed: bool = Fals
     src, tgt_in, tgt_out, ids = flat.split([B * S, B * T, B * T, B])
     src, tgt_in, tgt_out = src.view(B, S), tgt_in.view(B, T), tgt_out.view(B, T)
     for b, (_, s, t) in enumerate(items):
-        src[b, :len(s)] = torch.from_numpy(s.astype(np.int64))
-        src[b, len(s)] = EOS
-        tgt_in[b, 0] = BOS
-        tgt_in[b, 1:len(t) + 1] = torch.from_numpy(t.astype(np.int64))
-        tgt_out[b, :len(t)] = tgt_in[b, 1:len(t) + 1]
-        tgt_out[b, len(t)] = EOS
+        write_pair(src[b], tgt_in[b], tgt_out[b], s, t)
     ids.copy_(torch.tensor([i for i, _, _ in items], dtype=torch.long))
     packings = None
     if packed:
-        src_lens = np.fromiter((len(s) + 1 for _, s, _ in items), dtype=np.int64, count=B)
-        tgt_lens = np.fromiter((len(t) + 1 for _, _, t in items), dtype=np.int64, count=B)
+        src_lens, tgt_lens = pair_lengths(items)
         packings = (host_packing(src_lens, S), host_packing(tgt_lens, T))
     return Batch(src, tgt_in, tgt_out, ids, int((tgt_out != PAD).sum()), packings)
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from transformer.data.shapes import STEPS, shape_length
-from transformer.model.varlen import Packing
-from transformer.specials import BOS, EOS, PAD
+from transformer.model.varlen import Packing, host_packing
+from transformer.specials import EOS, PAD
 
 FILLER = 64  # longest filler sentence, a side (longer only when few filler tokens must cover many on the other side)
 
@@ -86,16 +86,10 @@ def layout(src_lens: np.ndarray, tgt_lens: np.ndarray, cap: int, steps: int = ST
 
 
 def _packing(lengths: np.ndarray, slots: int, T: int) -> Packing:
-    """The packing of sentences of `lengths` laid end to end, then empty sentences up to `slots`, at width T."""
-    B = len(lengths)
-    cu = np.zeros(slots + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:B + 1])
-    cu[B + 1:] = cu[B]
-    index = np.repeat(np.arange(B, dtype=np.int64) * T - cu[:B], lengths) + np.arange(cu[B], dtype=np.int64)
-    all_lengths = np.zeros(slots, dtype=np.int64)
-    all_lengths[:B] = lengths
-    return Packing(torch.from_numpy(index), torch.from_numpy(cu.astype(np.int32)), torch.from_numpy(all_lengths),
-                   T, slots, T)
+    """The packing of sentences of `lengths` laid end to end, then empty sentences up to `slots`, at width T; its
+    longest is T, fixed for every batch of the shape (the attention kernels' bound)."""
+    return host_packing(np.concatenate([lengths, np.zeros(slots - len(lengths), dtype=np.int64)]), T)._replace(
+        max_len=T)
 
 
 def collate(items: List[Tuple[int, np.ndarray, np.ndarray]], cap: int, steps: int = STEPS,
@@ -103,10 +97,9 @@ def collate(items: List[Tuple[int, np.ndarray, np.ndarray]], cap: int, steps: in
     """The sampler's examples as one packed, budget-sized Batch: src (N_s,), tgt_in and tgt_out (N_t,), and the
     packings of both sides (filler and empty sentences included). CPU tensors, one buffer (see batch.collate).
     `widths`: see `layout`."""
-    from transformer.data.batch import Batch
+    from transformer.data.batch import Batch, pair_lengths, write_pair
 
-    src_lens = np.fromiter((len(s) + 1 for _, s, _ in items), dtype=np.int64, count=len(items))  # + </s>
-    tgt_lens = np.fromiter((len(t) + 1 for _, _, t in items), dtype=np.int64, count=len(items))  # <s> + y / y + </s>
+    src_lens, tgt_lens = pair_lengths(items)
     lay = layout(src_lens, tgt_lens, cap, steps, widths)
     N_s, N_t = lay.N_s, lay.N_t
     B = len(items)
@@ -114,12 +107,7 @@ def collate(items: List[Tuple[int, np.ndarray, np.ndarray]], cap: int, steps: in
     src, tgt_in, tgt_out, ids = flat.split([N_s, N_t, N_t, B])
     s = t = 0
     for _, x, y in items:
-        src[s:s + len(x)] = torch.from_numpy(x.astype(np.int64))
-        src[s + len(x)] = EOS
-        tgt_in[t] = BOS
-        tgt_in[t + 1:t + len(y) + 1] = torch.from_numpy(y.astype(np.int64))
-        tgt_out[t:t + len(y)] = tgt_in[t + 1:t + len(y) + 1]
-        tgt_out[t + len(y)] = EOS
+        write_pair(src[s:], tgt_in[t:], tgt_out[t:], x, y)
         s, t = s + len(x) + 1, t + len(y) + 1
     src[s:] = EOS  # filler sources: a real key for every filler target to attend to
     ids.copy_(torch.tensor([i for i, _, _ in items], dtype=torch.long))

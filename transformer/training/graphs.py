@@ -109,12 +109,13 @@ class GraphStep:
         packed batch (transformer/data/packed.py), src (N_s,), tgt_in/tgt_out (N_t,), and its packings, whose
         tensors are graph inputs too and whose widths (fixed per shape) are part of the key."""
         tensors = (src, tgt_in, tgt_out, *(t for p in packings or () for t in (p.index, p.cu_seqlens, p.lengths)))
+        layout = _layout(packings)
         if not self.capture:
-            self._forward_backward(*tensors, layout=_layout(packings))
+            self._forward_backward(*tensors, layout=layout)
             return
-        key = (*(tuple(t.shape) for t in tensors), _layout(packings), dropout)
+        key = (*(tuple(t.shape) for t in tensors), layout, dropout)
         if key not in self.micro:
-            self.micro[key] = self._capture_micro(tensors, _layout(packings))
+            self.micro[key] = self._capture_micro(tensors, layout)
         graph, inputs = self.micro[key]
         for static, x in zip(inputs, tensors, strict=True):
             static.copy_(x)
