@@ -368,14 +368,14 @@ def test_bench_gpu_skips_decoding_without_spacy_and_says_how(tmp_path, monkeypat
 def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks():
     """The prepared GPU script's table: every workload eager (the recipes' micro-batches, 16k, big at 32k),
     each switch set at 16k and the recipe sizes; a set naming a key the config lacks (a switch still on
-    another branch) is skipped and said so; a dry run skips compilation."""
+    another branch) is skipped and said so; a dry run runs each set as a CPU can, without compilation."""
     import argparse
 
     bench_gpu = load_benchmark("bench_gpu")
     keys = bench_gpu.config_keys()
     assert {"trainer.loss", "trainer.compile", "data.max_tokens", "bench.profile"} <= keys
     args = argparse.Namespace(switch=["wishful=model.no_such_switch=true", "small_batches=data.max_tokens=8000"],
-                              only=None, dry_run=False, out=Path("/tmp/bench-gpu-x.jsonl"))
+                              only=None, sets=None, dry_run=False, out=Path("/tmp/bench-gpu-x.jsonl"))
     todo, skipped = bench_gpu.plan(args, keys)
     runs = {(w, s) for w, s, _ in todo}
     assert {(w, "eager") for w in ("multi30k", "base@recipe", "base@16k", "big@recipe", "big@16k", "big@32k")} <= runs
@@ -387,13 +387,14 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     assert order[:len(bench_gpu.HEAD)] == bench_gpu.HEAD  # before the GPU tier: the defaults, and `all`
     assert order[:4] == [("big@16k", "eager"), ("base@16k", "eager"), ("big@16k", "all"), ("base@16k", "all")]
     assert ("big@16k", "loss=fused") in runs and ("multi30k", "cuda_graphs") in runs
-    # next: the fastest step measured, with and without compile's old rounding to 8, then compile on packed tokens
-    assert order[4:8] == [("big@16k", "compile+bf16_residual"), ("base@16k", "compile+bf16_residual"),
-                          ("big@16k", "compile+bf16_residual+pad8"), ("base@16k", "compile+bf16_residual+pad8")]
-    assert order.index(("big@16k", "compile+unpadded")) == 8 and order.index(("big@16k", "compile+fp8")) < 20
-    # then every switch on packed token budgets, and those budgets graphed alone
-    assert order[10:14] == [("big@16k", "all+unpadded"), ("base@16k", "all+unpadded"),
-                            ("big@16k", "cuda_graphs+unpadded"), ("base@16k", "cuda_graphs+unpadded")]
+    # next: the candidates for the targets, every switch on packed token budgets and those budgets graphed alone
+    # (at 16k and on Multi30k's batches), then compile on packed tokens; questions of defaults after them
+    assert order[4:10] == [("big@16k", "all+unpadded"), ("base@16k", "all+unpadded"),
+                           ("big@16k", "cuda_graphs+unpadded"), ("base@16k", "cuda_graphs+unpadded"),
+                           ("multi30k", "cuda_graphs+unpadded"), ("multi30k", "cuda_graphs")]
+    assert order[10:14] == [("big@16k", "compile+unpadded"), ("base@16k", "compile+unpadded"),
+                            ("big@16k", "compile+bf16_residual"), ("base@16k", "compile+bf16_residual")]
+    assert order.index(("big@16k", "compile+bf16_residual+pad8")) == 14 and order.index(("big@16k", "compile+fp8")) < 20
     assert ("multi30k", "cuda_graphs+unpadded") in runs
     assert order.index(("base@16k", "cuda_graphs")) < order.index(("big@16k", "loss=reference"))  # set by set
     assert {(s["workload"], s["switches"]) for s in skipped} == {("big@16k", "wishful"), ("base@16k", "wishful")}
@@ -405,10 +406,20 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     assert traced["base@16k", "all"].endswith("/bench-gpu-x.base-16k-all.trace.json.gz")
     args.dry_run, args.switch = True, None
     todo, skipped = bench_gpu.plan(args, keys)
-    assert all("model=tiny" in o and "trainer.compile=true" not in o for _, _, o in todo)
-    assert {s["switches"] for s in skipped} == {"compile", "compile+bf16_residual", "fp8", "compile+fp8",
-                                                "cuda_graphs", "cuda_graphs+steps8", "all", "compile+unpadded",
-                                                "compile+bf16_residual+pad8", "all+unpadded", "cuda_graphs+unpadded"}
+    assert all("model=tiny" in o and "trainer.compile=true" not in o and "trainer.cuda_graphs=true" not in o
+               and "trainer.loss=compiled" not in o for _, _, o in todo)
+    dry = {(w, s): o for w, s, o in todo}
+    # a graphed set runs as its static shapes on a CPU: packed token budgets' plumbing (the sampler, the flat
+    # collate, the bench's filler count) is checked before a lease
+    assert {"trainer.static_shapes=true", "trainer.unpadded_attention=true",
+            "trainer.bf16_residual=true", "trainer.loss=fused"} <= set(dry["big@16k", "all+unpadded"])
+    assert "trainer.static_shapes=true" in dry["multi30k", "cuda_graphs+unpadded"]
+    assert "bench.warmup=60" not in dry["base@16k", "cuda_graphs"]  # DRY's warm-up of 0 steps decides
+    why = {(s["workload"], s["switches"]): s["why"] for s in skipped}  # a set that shrinks to one run: once
+    assert why["big@16k", "static_shapes"] == "dry run: as cuda_graphs on a CPU"
+    assert why["base@16k", "compile"] == "dry run: as eager on a CPU"
+    assert why["big@16k", "fp8"].startswith("dry run: float8") and why["big@16k", "compile+fp8"].startswith("dry")
+    assert len(dry) + len(skipped) == len(bench_gpu.PLAN)
 
 
 def test_bench_gpu_keeps_the_compiled_code_of_a_traced_compiled_run(tmp_path, monkeypatch):
@@ -525,10 +536,13 @@ def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_famil
 
 def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     """`bench_gpu.py --dry-run`: the GPU script's plumbing on a CPU, everything shrunk: one JSON record per run,
-    the header (device, date, torch, commit), a Markdown table with a row per run and the top operators."""
+    the header (device, date, torch, commit), a Markdown table with a row per run and the top operators; a
+    graphed set on packed token budgets runs as its static shapes, a compiled one that shrinks to eager is
+    skipped, and --sets picks the sets."""
     out = tmp_path / "b.jsonl"
+    sets = "eager,all+unpadded,compile,loss=reference,acc8+fit"
     res = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"),
-                          "--dry-run", "--skip-tests", "--only", "base", "--out", str(out),
+                          "--dry-run", "--skip-tests", "--only", "base", "--sets", sets, "--out", str(out),
                           "--budget-s", "3000"],  # the plumbing, not the budget, on a slow or loaded CPU
                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -536,16 +550,18 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     assert records[0]["kind"] == "machine" and records[0]["dry_run"] and records[0]["commit"]
     benches = [r for r in records if r["kind"] == "bench"]
     assert {(r["workload"], r["switches"]) for r in benches} == {
-        (w, s) for w in ("base@recipe", "base@16k")
-        for s in ("eager", "loss=reference", "loss=fused", "bf16_residual", "unpadded", "attn_dropout0",
-                  "static_shapes")
-    } | {("base@recipe", "acc8"), ("base@recipe", "acc8+fit")}
+        (w, s) for w in ("base@recipe", "base@16k") for s in ("eager", "loss=reference", "all+unpadded")
+    } | {("base@recipe", "acc8+fit")}
+    packed = next(r for r in benches if r["switches"] == "all+unpadded")
+    assert "trainer.static_shapes=true" in packed["overrides"] and "trainer.compile=true" not in packed["overrides"]
+    assert packed["waste_padding"] == 0 and packed["waste_pad_multiple"] > 0  # filler, not padding
     assert all(r["model"]["N"] == 1 and r["steps"] == 1 and r["top_ops"] for r in benches)
     assert all(r["commit"] == records[0]["commit"] for r in benches)
     md = out.with_suffix(".md").read_text()
     assert records[0]["torch"] in md and records[0]["commit"] in md
     plan = load_benchmark("bench_gpu").PLAN
-    assert md.count("| base@") == len([w for w, _ in plan if w.startswith("base@")])  # a row each, run or skipped
+    assert md.count("| base@") == len([w for w, s in plan if w.startswith("base@") and s in sets.split(",")])
+    assert "| base@16k | compile | | | dry run: as eager on a CPU |" in md  # a row each, run or skipped
     assert "Top " in md and "ops by self CPU time" in md and md.strip() in res.stdout
     # base@16k eager keeps its timeline (a lease brings it back), named in the summary; nothing else is left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.base-16k-eager.trace.json.gz", "b.jsonl", "b.log",
