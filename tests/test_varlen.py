@@ -62,6 +62,22 @@ def test_trainer_switch(tmp_path):
     assert not make_trainer(tmp_path / "off").model.unpadded_attention
 
 
+def test_commands_start_without_importing_the_compiler():
+    """torch.nn.attention.varlen imports torch._dynamo, a large share of every command's start: the varlen
+    kernels are imported when a model turns unpadded attention on, not with the package."""
+    import subprocess
+    import sys
+    code = ("import sys, transformer.cli.train, transformer.cli.translate, transformer.cli.bench\n"
+            "assert 'torch._dynamo' not in sys.modules, 'imported at start'\n"
+            "from transformer.config import ModelConfig\n"
+            "from transformer.model import Transformer\n"
+            "Transformer.from_config(ModelConfig(N=1, d_model=8, d_ff=16, h=2), 9, 9, True)"
+            ".set_unpadded_attention(True)\n"
+            "assert 'torch.nn.attention.varlen' in sys.modules\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
 @pytest.mark.parametrize("windowed", [True, False])
 def test_torchs_varlen_kernel_is_called_as_its_release_expects(monkeypatch, windowed):
     """torch 2.10's varlen_attn takes is_causal; later releases (the lent GPU machines' 2.11) window_size."""
@@ -70,6 +86,8 @@ def test_torchs_varlen_kernel_is_called_as_its_release_expects(monkeypatch, wind
     from torch.nn.attention.varlen import varlen_attn
 
     from transformer.model import varlen
+    varlen.load_kernels()  # what set_unpadded_attention(True) does
+    assert varlen.torch_varlen_attn is varlen_attn
     assert varlen.WINDOWED == ("window_size" in inspect.signature(varlen_attn).parameters)  # this torch's
     calls = []
 

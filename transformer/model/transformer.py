@@ -12,7 +12,7 @@ from transformer.model.dropout import Dropout, check_rate
 from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention, padding_bias
 from transformer.model.projections import StackedLinear, fuse_projections, replay_linear_init, split_projections
 from transformer.model.residual import norm_to, stream_dtype
-from transformer.model.varlen import Packing, VarlenMask, pack, packing, unpack
+from transformer.model.varlen import Packing, VarlenMask, load_kernels, pack, packing, unpack
 from transformer.specials import PAD
 
 
@@ -292,6 +292,8 @@ class Transformer(nn.Module):
     def set_unpadded_attention(self, on: bool) -> None:
         """trainer.unpadded_attention: `forward` (training and validation loss) runs on the real tokens only,
         packed, with variable-length attention; decoding (`encode`, `decode` with a cache) stays padded."""
+        if on:
+            load_kernels()
         self.unpadded_attention = on
 
     def set_dropout(self, p: float) -> None:

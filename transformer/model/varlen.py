@@ -19,15 +19,29 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
-try:  # optional: pip install flash-attn (CUDA builds only)
-    from flash_attn import flash_attn_varlen_func
-except ImportError:  # pragma: no cover - depends on the machine
-    flash_attn_varlen_func = None
-try:  # torch >= 2.10; torch 2.10's takes `is_causal`, later releases a sliding `window_size` instead
-    from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
-    WINDOWED = "window_size" in inspect.signature(torch_varlen_attn).parameters
-except ImportError:
-    torch_varlen_attn, WINDOWED = None, False
+# The CUDA kernels, imported by load_kernels() when a model turns unpadded attention on, not with this module:
+# importing torch.nn.attention.varlen imports torch._dynamo, which slowed every command's start (figure:
+# docs/performance.md, "Figures behind code choices").
+flash_attn_varlen_func = None  # optional: pip install flash-attn (CUDA builds only)
+torch_varlen_attn, WINDOWED = None, False  # torch >= 2.10's; 2.10's takes `is_causal`, later ones `window_size`
+_loaded = False
+
+
+def load_kernels() -> None:
+    """Import the varlen kernels this machine has (once; `Transformer.set_unpadded_attention(True)` calls it)."""
+    global flash_attn_varlen_func, torch_varlen_attn, WINDOWED, _loaded
+    if _loaded:
+        return
+    _loaded = True
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:  # pragma: no cover - depends on the machine
+        pass
+    try:
+        from torch.nn.attention.varlen import varlen_attn as torch_varlen_attn
+        WINDOWED = "window_size" in inspect.signature(torch_varlen_attn).parameters
+    except ImportError:  # pragma: no cover - torch < 2.10
+        pass
 
 
 class Packing(NamedTuple):
