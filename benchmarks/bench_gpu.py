@@ -99,7 +99,7 @@ PLAN = (HEAD + [(w, s) for s in PACKED for w in ("big@16k", "base@16k")]
         + [("multi30k", s) for s in ("cuda_graphs+unpadded", "cuda_graphs")]
         + [(w, s) for s in FIRST for w in ("big@16k", "base@16k")]
         + [("big@recipe", s) for s in FIT_SETS]
-        + [(w, s) for w in ("multi30k",) for s in ("eager", "cuda_graphs+steps8", "all")]
+        + [("multi30k", s) for s in ("eager", "cuda_graphs+steps8", "all")]
         + [(w, s) for s in SWITCH_SETS if s != "eager" and s not in FIT_SETS for w in ("big@16k", "base@16k")]
         + [(w, "eager") for w in ("big@recipe", "base@recipe", "big@32k")]
         + [(w, s) for w in ("big@recipe", "base@recipe") for s in SWITCH_SETS if s != "eager"])
@@ -354,12 +354,18 @@ def _kernels(r: dict) -> str:
     return f"{account['kernel_ms']:.1f} / {account['launches']:,.0f}" if "kernels" in account else "n/a"
 
 
-def plan(args, keys: set) -> tuple:
-    """[(workload, switch set name, overrides)] to run, and [(workload, switch set, why)] skipped up front."""
+def switch_sets(args) -> dict:
+    """SWITCH_SETS and the call's own --switch sets (name=key=value,key=value): name -> overrides."""
     sets = dict(SWITCH_SETS)
-    for spec in args.switch or []:  # name=key=value,key=value
+    for spec in args.switch or []:
         name, _, rest = spec.partition("=")
         sets[name] = tuple(x for x in rest.split(",") if x)
+    return sets
+
+
+def plan(args, keys: set) -> tuple:
+    """[(workload, switch set name, overrides)] to run, and [(workload, switch set, why)] skipped up front."""
+    sets = switch_sets(args)
     entries = list(PLAN) + [(w, name) for name in sets if name not in SWITCH_SETS
                             for w in ("big@16k", "base@16k")]
     todo, skipped, dry_seen = [], [], {}
@@ -401,8 +407,7 @@ def main(argv=None) -> int:
     p.add_argument("--decode-checkpoint", type=Path, help="time decoding with this trained checkpoint")
     p.add_argument("--dry-run", action="store_true", help="on a CPU, everything shrunk: tests the plumbing")
     args = p.parse_args(argv)
-    known = {*SWITCH_SETS, *(x.partition("=")[0] for x in args.switch or [])}
-    unknown = [n for n in args.sets or [] if n not in known]
+    unknown = [n for n in args.sets or [] if n not in switch_sets(args)]
     if unknown:
         p.error(f"--sets: no switch set named {', '.join(unknown)} (SWITCH_SETS or a --switch)")
     import torch
