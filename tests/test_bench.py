@@ -512,7 +512,7 @@ def test_bench_gpu_tier_cut_short_still_names_its_failures(tmp_path, monkeypatch
 def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_families():
     """A GPU record's kernel account reaches the summary: kernel ms, launches and host ms in its row, one row of
     kernel time by family per profiled run, families ordered by their total time."""
-    markdown = load_benchmark("bench_gpu").markdown
+    markdown = load_benchmark("gpu_report").markdown
     header = {"device": "NVIDIA H200", "date": "2026-11-28", "torch": "2.11.0", "cuda": "13.0", "commit": "abc1234"}
 
     def rec(switches, families, launches):
