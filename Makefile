@@ -6,7 +6,7 @@ PYTEST := $(BIN)/python -m pytest
 # CPU machines pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
 CONSTRAINTS ?= constraints-cpu.txt
 
-.PHONY: install train test test-slow test-docker test-slurm test-gpu gpu-wheels bench-gpu bench-gpu-dry gpu-data \
+.PHONY: install train test test-slow test-docker test-slurm test-gpu test-floor gpu-wheels bench-gpu bench-gpu-dry gpu-data \
 	train-gpu-multi30k fp8-curve-gpu test-all clean
 
 install: $(VENV)/.installed
@@ -31,6 +31,20 @@ test-docker: install  ## builds the image from a local base and runs a job in it
 
 test-slurm: install  ## starts a one-node Slurm cluster (munged, slurmctld, slurmd) and submits jobs to it (needs root)
 	TIER_PYTHON=$(BIN)/python bash launch/ci/run-slurm-tier.sh || test $$? -eq 77  # 77: skipped (not root)
+
+# The oldest torch setup.cfg allows, in a venv of its own (pip fetches its CUDA build: no CPU wheel of it here),
+# under the tests of the model, decoding, the trainer and the commands. fp8 (torchao) and export (transformers)
+# need newer torch and are not in it.
+FLOOR_TORCH ?= 2.4.1
+FLOOR_VENV ?= .venv-floor
+FLOOR_TESTS := tests/test_model.py tests/test_decode.py tests/test_flops.py tests/test_residual.py \
+	tests/test_dropout.py tests/test_loss_optim.py tests/test_projections.py tests/test_graphs.py \
+	tests/test_trainer.py tests/test_translate.py tests/test_average.py tests/test_compat.py tests/test_evaluate.py
+
+test-floor:  ## the core tests under torch $(FLOOR_TORCH), setup.cfg's floor
+	$(PYTHON) -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install -q "torch==$(FLOOR_TORCH)" -e . pytest pytest-timeout
+	$(FLOOR_VENV)/bin/python -m pytest -m "not slow and not gpu" -p no:warnings $(FLOOR_TESTS)
 
 test-gpu: install  ## needs a CUDA GPU
 	$(PYTEST) -m gpu
@@ -80,4 +94,4 @@ bench-gpu-dry: install  ## bench-gpu's plumbing on a CPU, every run shrunk
 test-all: test test-slow test-docker test-slurm
 
 clean:
-	rm -rf $(VENV) outputs multirun .pytest_cache
+	rm -rf $(VENV) $(FLOOR_VENV) outputs multirun .pytest_cache

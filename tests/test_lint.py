@@ -15,7 +15,7 @@ from tests.helpers.cli import SHELLCHECK
 
 REPO = Path(__file__).resolve().parents[1]
 # Folders that hold no sources of ours (environments, outputs, caches).
-SKIP = {".git", ".venv", "venv", "outputs", "multirun", "build", "dist", ".pytest_cache", ".ruff_cache",
+SKIP = {".git", ".venv", ".venv-floor", "venv", "outputs", "multirun", "build", "dist", ".pytest_cache", ".ruff_cache",
         "__pycache__", "data", "shared"}
 
 

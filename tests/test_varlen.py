@@ -73,7 +73,9 @@ def test_commands_start_without_importing_the_compiler():
             "from transformer.model import Transformer\n"
             "Transformer.from_config(ModelConfig(N=1, d_model=8, d_ff=16, h=2), 9, 9, True)"
             ".set_unpadded_attention(True)\n"
-            "assert 'torch.nn.attention.varlen' in sys.modules\n")
+            "import importlib.util\n"  # torch < 2.10 has no varlen kernel: nothing to import then
+            "name = 'torch.nn.attention.varlen'\n"
+            "assert name in sys.modules or not importlib.util.find_spec(name)\n")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
 
@@ -83,7 +85,8 @@ def test_torchs_varlen_kernel_is_called_as_its_release_expects(monkeypatch, wind
     """torch 2.10's varlen_attn takes is_causal; later releases (the lent GPU machines' 2.11) window_size."""
     import inspect
 
-    from torch.nn.attention.varlen import varlen_attn
+    kernels = pytest.importorskip("torch.nn.attention.varlen", reason="torch < 2.10 has no varlen kernel")
+    varlen_attn = kernels.varlen_attn
 
     from transformer.model import varlen
     varlen.load_kernels()  # what set_unpadded_attention(True) does

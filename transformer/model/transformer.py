@@ -164,7 +164,10 @@ class Transformer(nn.Module):
         self.bf16_residual = False  # set_bf16_residual
         self.unpadded_attention = False  # set_unpadded_attention
         # Checkpoints written with separate q/k/v projections load into the stacked ones.
-        self.register_load_state_dict_pre_hook(_fuse_old_keys)
+        if hasattr(self, "register_load_state_dict_pre_hook"):
+            self.register_load_state_dict_pre_hook(_fuse_old_keys)
+        else:  # torch < 2.5 has only the private name
+            self._register_load_state_dict_pre_hook(_fuse_old_keys, with_module=True)
 
     @classmethod
     def from_config(cls, model_cfg, src_vocab_size: int, tgt_vocab_size: int,
