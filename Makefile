@@ -41,9 +41,12 @@ FLOOR_TESTS := tests/test_model.py tests/test_decode.py tests/test_flops.py test
 	tests/test_dropout.py tests/test_loss_optim.py tests/test_projections.py tests/test_graphs.py \
 	tests/test_trainer.py tests/test_translate.py tests/test_average.py tests/test_compat.py tests/test_evaluate.py
 
-test-floor:  ## the core tests under torch $(FLOOR_TORCH), setup.cfg's floor
+$(FLOOR_VENV)/.installed: setup.cfg pyproject.toml  # once, as install does: torch's download is about 3 GB
 	$(PYTHON) -m venv $(FLOOR_VENV)
 	$(FLOOR_VENV)/bin/python -m pip install -q "torch==$(FLOOR_TORCH)" -e . pytest pytest-timeout
+	touch $@
+
+test-floor: $(FLOOR_VENV)/.installed  ## the core tests under torch $(FLOOR_TORCH), setup.cfg's floor
 	$(FLOOR_VENV)/bin/python -m pytest -m "not slow and not gpu" -p no:warnings $(FLOOR_TESTS)
 
 test-gpu: install  ## needs a CUDA GPU
