@@ -76,6 +76,11 @@ SWITCH_SETS = {
     "all+unpadded": ("trainer.compile=true", "trainer.bf16_residual=true", "trainer.cuda_graphs=true",
                      "trainer.loss=compiled", "trainer.unpadded_attention=true", "model.attention_dropout=0"),
 }
+# `env.NAME=VALUE` entries set a variable of the run's environment, not a config key. Inductor's mix-order
+# reduction makes the LayerNorm backward one kernel with its weight-gradient sums, which ran some 3x slower than
+# its bytes take (docs/performance.md, "GPU: H200, 2026-11-29"): `all+unpadded` without it says whether the
+# split kernels are faster.
+SWITCH_SETS["all+unpadded+no_mix_order"] = (*SWITCH_SETS["all+unpadded"], "env.TORCHINDUCTOR_MIX_ORDER_REDUCTION=0")
 # CUDA graphs capture each new static shape (a few steps' time): more warm-up keeps captures out of the timing.
 SWITCH_SETS = {k: (*v, "bench.warmup=60") if "trainer.cuda_graphs=true" in v else v for k, v in SWITCH_SETS.items()}
 # trainer.micro_batch=fit: the WMT14 recipes' 8-GPU update on one GPU (1 x 8 x 3,300 tokens), as 8 micro-batches
@@ -85,18 +90,19 @@ FIT_SETS = {"acc8": ("trainer.accumulate=8", "trainer.micro_batch=fixed"),
 FIT_SETS = {k: (*v, "bench.steps=30", "bench.repeats=2", "bench.warmup=5") for k, v in FIT_SETS.items()}
 SWITCH_SETS.update(FIT_SETS)
 # What runs, most telling first (past --budget-s the rest is skipped). HEAD, before the GPU test tier: big and
-# base at 16k with the defaults (the baseline each lease measures again) and with every switch at once (`all`,
-# not yet timed to the end: docs/performance.md). Then, after the tier, the candidates for issue 48's targets
-# before the questions of defaults: every switch on packed token budgets, those budgets graphed alone (since
-# 2026-11-29) and on Multi30k's batches; compile on packed tokens; the fastest step measured, without and with
-# the rounding to 8 it was measured with (the default changed since; the compiler's caches make the second
-# compilation shorter); fp8 and compile alone, never measured; the recipe's update on one GPU fixed and fitted;
-# Multi30k's other sets; the sets measured before, again; the remaining workloads eager; then every switch set
-# at the recipes' sizes. A call of 430 s holds HEAD and about five runs more (2026-11-26: 7 runs in 178 s).
-HEAD = [(w, s) for s in ("eager", "all") for w in ("big@16k", "base@16k")]
+# base at 16k with the defaults, the baseline each lease measures again (under a minute each). Then the
+# candidates for issue 48's targets: every switch on packed token budgets (no padding, torch's varlen kernel),
+# those budgets graphed alone (since 2026-11-29) and on Multi30k's batches; compile on packed tokens; packed
+# tokens without inductor's mix-order reduction; `all` (every switch on the padded ladder, measured once; over
+# two minutes a run, mostly compiling); then the questions of defaults: the
+# fastest step measured before, without and with the rounding to 8; fp8 and compile alone, never measured; the
+# recipe's update on one GPU fixed and fitted; Multi30k's other sets; the sets measured before, again; the
+# remaining workloads eager; then every switch set at the recipes' sizes. A call of 430 s holds HEAD and two or
+# three compiled runs, or more uncompiled ones (docs/performance.md).
+HEAD = [(w, "eager") for w in ("big@16k", "base@16k")]
 PACKED = ("all+unpadded", "cuda_graphs+unpadded")
-FIRST = ("compile+unpadded", "compile+bf16_residual", "compile+bf16_residual+pad8", "fp8", "compile+fp8", "compile",
-         "loss=fused", "cuda_graphs")
+FIRST = ("compile+unpadded", "all+unpadded+no_mix_order", "all", "compile+bf16_residual",
+         "compile+bf16_residual+pad8", "fp8", "compile+fp8", "compile", "loss=fused", "cuda_graphs")
 PLAN = (HEAD + [(w, s) for s in PACKED for w in ("big@16k", "base@16k")]
         + [("multi30k", s) for s in ("cuda_graphs+unpadded", "cuda_graphs")]
         + [(w, s) for s in FIRST for w in ("big@16k", "base@16k")]
@@ -115,8 +121,8 @@ TIER_FIRST = ("test_packed.py", "test_graphs.py", "test_varlen.py", "test_loss_o
 # brings back): the profile window's timeline (bench.trace: every kernel and host call in order, for Perfetto)
 # and, under torch.compile, the code it generated (torch's TORCH_LOGS=output_code): the profile names compiled
 # kernels after that code's Triton kernels, so a slow one can be read after the lease. Base: the step the host
-# holds back in eager mode, and the one with every switch.
-KEEP = (("base@16k", "eager"), ("base@16k", "all"))
+# holds back in eager mode, and the one with every switch on packed tokens.
+KEEP = (("base@16k", "eager"), ("base@16k", "all+unpadded"))
 # --dry-run: the same plan on a CPU, shrunk to seconds a run. A CPU has no CUDA graphs and compiles for
 # minutes, so each set runs as what a CPU can of it (DRY_SWAP: a graphed set's static shapes, packed token
 # budgets included, eager; the compiled loss's fused twin); a set that shrinks to one already run is skipped.
@@ -172,8 +178,17 @@ def config_keys() -> set:
 
 
 def missing_keys(overrides, keys: set) -> list:
-    return [o.split("=", 1)[0] for o in overrides
-            if "=" in o and "." in o.split("=", 1)[0] and o.split("=", 1)[0] not in keys]
+    return [o.split("=", 1)[0] for o in overrides if "=" in o and not o.startswith(ENV)
+            and "." in o.split("=", 1)[0] and o.split("=", 1)[0] not in keys]
+
+
+ENV = "env."  # a switch of the environment: env.NAME=VALUE
+
+
+def split_env(overrides) -> tuple:
+    """(config overrides, {NAME: VALUE} of the env. switches)."""
+    return ([o for o in overrides if not o.startswith(ENV)],
+            dict(o[len(ENV):].split("=", 1) for o in overrides if o.startswith(ENV)))
 
 
 def run_tests(out: Path, log: Path, timeout: float, dry: bool) -> int:
@@ -232,7 +247,8 @@ def run_bench(workload: str, switches: str, overrides: list, out: Path, log: Pat
     print(f"--- {workload} [{switches}]: transformer-bench {' '.join(overrides)}", flush=True)
     t0 = time.time()
     base = {"kind": "bench", "workload": workload, "switches": switches, "overrides": overrides}
-    run_env, code = env(), None
+    overrides, switched = split_env(overrides)
+    run_env, code = {**env(), **switched}, None
     if any(o.startswith("bench.trace=") for o in overrides) and "trainer.compile=true" in overrides:
         code = kept_files(out, workload, switches)["code"]
         run_env.update(TORCH_LOGS="output_code", TORCH_LOGS_OUT=str(code))
@@ -376,11 +392,14 @@ def main(argv=None) -> int:
                     append(args.out, {"kind": "bench", "workload": w, "switches": n,
                                       "skipped": "over the time budget"})
                 return
-            r = run_bench(workload, name, overrides, args.out, log, timeout=min(left, args.run_timeout_s))
+            timeout = min(left, args.run_timeout_s)
+            r = run_bench(workload, name, overrides, args.out, log, timeout=timeout)
             if r is not None:
                 records.append(r)
-            else:
-                skipped.append({"workload": workload, "switches": name, "why": "failed (see the log)"})
+            else:  # a run the budget's end cut short need not have failed: say so
+                why = "failed (see the log)" if timeout == args.run_timeout_s else \
+                    f"failed or cut at the budget's end ({timeout:.0f} s; see the log)"
+                skipped.append({"workload": workload, "switches": name, "why": why})
 
     head = [entry for entry in todo if (entry[0], entry[1]) in HEAD]
     run_all(head)

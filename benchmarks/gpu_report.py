@@ -4,6 +4,12 @@ kernel's time by family. The rows go into docs/performance.md as they are."""
 from pathlib import Path
 
 
+def _memory(r: dict) -> str:
+    """The timed steps' peak allocation, and what the allocator held (CUDA graphs' pools too) where recorded."""
+    reserved = r.get("reserved_gb")
+    return f"{r['peak_mem_gb']:.1f}" + (f" ({reserved:.1f})" if reserved is not None else "")
+
+
 def _pct(v) -> str:
     return f"{100 * v:.1f}%" if v is not None else "n/a"
 
@@ -17,7 +23,7 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
              f"brackets); tok/s: all repeats' mean (median, min-max of the repeats)", "",
              "| workload | switches | max_tokens | compute / loss | target tok/s | step ms | MFU real (computed) | "
              "waste pad / pad-to-multiple | GPU busy | kernel ms / launches per step | host ms / step | "
-             "syncs/step (flag waits) | peak GiB |",
+             "syncs/step (flag waits) | peak GiB (reserved) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         sp = r["tgt_tokens_per_s_spread"]
@@ -27,7 +33,7 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
             f"{r['tgt_tokens_per_s']:,.0f} ({sp['median']:,.0f}, {sp['min']:,.0f}-{sp['max']:,.0f}) | "
             f"{r['step_ms']:.1f} | {_pct(r['mfu'])} ({_pct(r['mfu_computed'])}) | "
             f"{_pct(r['waste_padding'])} / {_pct(r['waste_pad_multiple'])} | {_pct(r['busy'])} | {_kernels(r)} | "
-            f"{_host(r)} | {syncs} ({r['flag_waits_per_step']:.2f}) | {r['peak_mem_gb']:.1f} |")
+            f"{_host(r)} | {syncs} ({r['flag_waits_per_step']:.2f}) | {_memory(r)} |")
     for s in skipped:
         lines.append(f"| {s['workload']} | {s['switches']} | | | {s['why']} | | | | | | | | |")
     if loss_text:

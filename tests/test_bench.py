@@ -384,17 +384,19 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
             ("big@16k", "compile+fp8"), ("big@16k", "cuda_graphs"), ("base@16k", "cuda_graphs"),
             ("base@16k", "static_shapes"), ("big@recipe", "acc8+fit")} <= runs
     order = [(w, s) for w, s, _ in todo]
-    assert order[:len(bench_gpu.HEAD)] == bench_gpu.HEAD  # before the GPU tier: the defaults, and `all`
-    assert order[:4] == [("big@16k", "eager"), ("base@16k", "eager"), ("big@16k", "all"), ("base@16k", "all")]
+    assert order[:len(bench_gpu.HEAD)] == bench_gpu.HEAD  # before the GPU tier: the defaults
+    assert order[:2] == [("big@16k", "eager"), ("base@16k", "eager")]
     assert ("big@16k", "loss=fused") in runs and ("multi30k", "cuda_graphs") in runs
     # next: the candidates for the targets, every switch on packed token budgets and those budgets graphed alone
-    # (at 16k and on Multi30k's batches), then compile on packed tokens; questions of defaults after them
-    assert order[4:10] == [("big@16k", "all+unpadded"), ("base@16k", "all+unpadded"),
-                           ("big@16k", "cuda_graphs+unpadded"), ("base@16k", "cuda_graphs+unpadded"),
-                           ("multi30k", "cuda_graphs+unpadded"), ("multi30k", "cuda_graphs")]
-    assert order[10:14] == [("big@16k", "compile+unpadded"), ("base@16k", "compile+unpadded"),
-                            ("big@16k", "compile+bf16_residual"), ("base@16k", "compile+bf16_residual")]
-    assert order.index(("big@16k", "compile+bf16_residual+pad8")) == 14 and order.index(("big@16k", "compile+fp8")) < 20
+    # (at 16k and on Multi30k's batches), then compile on packed tokens, packed tokens without inductor's
+    # mix-order reduction, and every switch on the padded ladder; questions of defaults after them
+    assert order[2:8] == [("big@16k", "all+unpadded"), ("base@16k", "all+unpadded"),
+                          ("big@16k", "cuda_graphs+unpadded"), ("base@16k", "cuda_graphs+unpadded"),
+                          ("multi30k", "cuda_graphs+unpadded"), ("multi30k", "cuda_graphs")]
+    assert order[8:14] == [("big@16k", "compile+unpadded"), ("base@16k", "compile+unpadded"),
+                           ("big@16k", "all+unpadded+no_mix_order"), ("base@16k", "all+unpadded+no_mix_order"),
+                           ("big@16k", "all"), ("base@16k", "all")]
+    assert order.index(("big@16k", "compile+bf16_residual+pad8")) == 16 and order.index(("big@16k", "compile+fp8")) < 22
     assert ("multi30k", "cuda_graphs+unpadded") in runs
     assert order.index(("base@16k", "cuda_graphs")) < order.index(("big@16k", "loss=reference"))  # set by set
     assert {(s["workload"], s["switches"]) for s in skipped} == {("big@16k", "wishful"), ("base@16k", "wishful")}
@@ -402,8 +404,8 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     overrides = dict((w, o) for w, s, o in todo if s == "eager")
     assert "experiment=wmt14_big" in overrides["big@recipe"] and "data.max_tokens=32768" in overrides["big@32k"]
     traced = {(w, s): o[-1] for w, s, o in todo if o[-1].startswith("bench.trace=")}  # what a lease keeps
-    assert set(traced) == set(bench_gpu.KEEP) == {("base@16k", "eager"), ("base@16k", "all")}
-    assert traced["base@16k", "all"].endswith("/bench-gpu-x.base-16k-all.trace.json.gz")
+    assert set(traced) == set(bench_gpu.KEEP) == {("base@16k", "eager"), ("base@16k", "all+unpadded")}
+    assert traced["base@16k", "all+unpadded"].endswith("/bench-gpu-x.base-16k-all-unpadded.trace.json.gz")
     args.dry_run, args.switch = True, None
     todo, skipped = bench_gpu.plan(args, keys)
     assert all("model=tiny" in o and "trainer.compile=true" not in o and "trainer.cuda_graphs=true" not in o
@@ -482,6 +484,30 @@ def test_bench_gpu_gives_no_run_more_than_its_cap(tmp_path, monkeypatch):
     assert bench_gpu.main(["--dry-run", "--skip-tests", "--only", "base", "--budget-s", "40",
                            "--out", str(tmp_path / "c.jsonl")]) == 0
     assert timeouts and all(30 <= t <= 40 for t in timeouts)
+    # every run "failed" here (the stand-in returns no record): under the cap, a failure; cut by the budget's end,
+    # said so (the 2026-11-29 lease's summary called big's all+unpadded, stopped after 58 s, failed)
+    assert "failed (see the log)" in (tmp_path / "b.md").read_text()
+    assert "cut at the budget's end" in (tmp_path / "c.md").read_text()
+
+
+def test_bench_gpu_env_switches_set_the_runs_environment(tmp_path, monkeypatch):
+    """A switch set's env.NAME=VALUE entries reach the run's environment, not its config overrides, and are
+    never taken for config keys this checkout lacks; the record keeps them."""
+    bench_gpu = load_benchmark("bench_gpu")
+    switch = bench_gpu.SWITCH_SETS["all+unpadded+no_mix_order"]
+    assert "env.TORCHINDUCTOR_MIX_ORDER_REDUCTION=0" in switch
+    assert bench_gpu.missing_keys(switch, bench_gpu.config_keys()) == []
+    seen = []
+
+    def fake(cmd, env, **kw):
+        seen.append((cmd, env.get("TORCHINDUCTOR_MIX_ORDER_REDUCTION")))
+        return subprocess.CompletedProcess(cmd, 0, json.dumps({"tgt_tokens_per_s": 1.0, "mfu": None}), "")
+    monkeypatch.setattr(bench_gpu.subprocess, "run", fake)
+    r = bench_gpu.run_bench("base@16k", "x", ["model=base", "env.TORCHINDUCTOR_MIX_ORDER_REDUCTION=0"],
+                            tmp_path / "b.jsonl", tmp_path / "b.log", 60)
+    cmd, value = seen[-1]
+    assert value == "0" and cmd[-1] == "model=base" and not any(a.startswith("env.") for a in cmd)
+    assert r["overrides"] == ["model=base", "env.TORCHINDUCTOR_MIX_ORDER_REDUCTION=0"]
 
 
 def test_bench_gpu_tier_cut_short_still_names_its_failures(tmp_path, monkeypatch, capsys):
@@ -523,6 +549,7 @@ def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_famil
                 "waste_pad_multiple": 0.113, "busy": 0.46, "host_syncs_per_step": 0.0, "flag_waits_per_step": 0.0,
                 "peak_mem_gb": 15.3, "top_ops": [{"name": "nvjet", "calls": 22, "self_ms": 1.1, "share": 0.1}],
                 "host_step_ms": 44.04 if switches == "eager" else None,
+                "reserved_gb": 21.25 if switches == "all" else None,  # graphed: the pools the peak leaves out
                 "top_ops_kind": "kernels_self_device", "profile_steps": 5,
                 "kernel_account": {"kernels": 900.0, "kernel_ms": sum(families.values()), "launches": launches,
                                    "families": families}}
@@ -530,6 +557,7 @@ def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_famil
     md = markdown(header, [rec("eager", {"matmul": 12.0, "attention": 4.5}, 2400.0),
                            rec("all", {"matmul": 11.0, "compiled (Triton)": 9.0}, 3.0)], [])
     assert "| 16.5 / 2,400 | 44.0 |" in md and "| 20.0 / 3 | n/a |" in md  # host ms: a record without it, n/a
+    assert "| 0.00 (0.00) | 15.3 |" in md and "| 0.00 (0.00) | 15.3 (21.2) |" in md  # reserved where recorded
     assert "| workload | switches | matmul | compiled (Triton) | attention |" in md
     assert "| base@16k | eager | 12.00 | 0.00 | 4.50 |" in md and "| base@16k | all | 11.00 | 9.00 | 0.00 |" in md
 
@@ -563,9 +591,10 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     assert md.count("| base@") == len([w for w, s in plan if w.startswith("base@") and s in sets.split(",")])
     assert "| base@16k | compile | | | dry run: as eager on a CPU |" in md  # a row each, run or skipped
     assert "Top " in md and "ops by self CPU time" in md and md.strip() in res.stdout
-    # base@16k eager keeps its timeline (a lease brings it back), named in the summary; nothing else is left
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.base-16k-eager.trace.json.gz", "b.jsonl", "b.log",
-                                                          "b.md"]
+    # base@16k eager and all+unpadded keep their timelines (a lease brings them back: names of letters, digits,
+    # '.', '_' and '-'), named in the summary; nothing else is left (no compiled code: a dry run compiles nothing)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b.base-16k-all-unpadded.trace.json.gz",
+                                                          "b.base-16k-eager.trace.json.gz", "b.jsonl", "b.log", "b.md"]
     assert "`b.base-16k-eager.trace.json.gz` (timeline, Perfetto)" in md
     loss = [r for r in records if r["kind"] == "loss"]  # the loss benchmark: fused, compiled, reference
     assert len(loss) == 1 and loss[0]["returncode"] == 0 and "compiled" in loss[0]["output"]

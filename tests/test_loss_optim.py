@@ -130,12 +130,14 @@ def test_loss_implementations_agree_and_a_bad_name_fails():
 
 def test_auto_loss_is_compiled_on_gpus_that_can_compile_and_fused_elsewhere(monkeypatch):
     """trainer.loss=auto (the default): the compiled loss where a GPU measured it faster, the hand-written one on
-    CPUs, under CUDA graphs and where torch.compile cannot build GPU kernels. Named choices are kept."""
+    CPUs, under CUDA graphs without trainer.compile and where torch.compile cannot build GPU kernels. Named
+    choices are kept."""
     cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
     monkeypatch.setattr(loss_module, "can_compile_for_gpu", lambda: True)
     assert loss_module.choose("auto", cpu) == "fused"
     assert loss_module.choose("auto", gpu) == "compiled"
     assert loss_module.choose("auto", gpu, cuda_graphs=True) == "fused"
+    assert loss_module.choose("auto", gpu, cuda_graphs=True, compile=True) == "compiled"  # as `all` measured it
     assert loss_module.choose("fused", gpu) == "fused" and loss_module.choose("compiled", cpu) == "compiled"
     monkeypatch.setattr(loss_module, "can_compile_for_gpu", lambda: False)
     assert loss_module.choose("auto", gpu) == "fused"
@@ -305,7 +307,7 @@ def test_parallelize_says_when_auto_takes_the_compiled_loss(monkeypatch, caplog)
     with caplog.at_level(logging.INFO, logger="transformer"):
         assert parallelize_module.parallelize(model, cfg, cpu).loss == "fused"
         assert "trainer.loss=auto" not in caplog.text
-        monkeypatch.setattr(parallelize_module, "choose_loss", lambda loss, device, graphs: "compiled")
+        monkeypatch.setattr(parallelize_module, "choose_loss", lambda loss, device, graphs, compile: "compiled")
         assert parallelize_module.parallelize(model, cfg, cpu).loss == "compiled"
     assert "trainer.loss=auto: the compiled label-smoothed loss" in caplog.text
 

@@ -193,14 +193,15 @@ def test_bench_compiled_packed_budgets_stop_compiling_after_warm_up(tmp_path):
 
 
 # ---- GPU: packed budgets captured as CUDA graphs (skipped without CUDA) ------------------------------------------
-def gpu_packed_pair(tmp_path, *overrides):
+def gpu_packed_pair(tmp_path, *overrides, precision="fp32"):
     """Packed budgets on the GPU from the same weights: eager (static_shapes) and replayed (cuda_graphs). No
-    dropout on the attention weights: torch's varlen kernel has none (flash-attn's would)."""
+    dropout on the attention weights: torch's varlen kernel has none (flash-attn's would). In fp32 (true fp32
+    products, no TF32) attention runs the reference, the varlen kernels taking bf16 and fp16 only."""
     from tests.test_gpu import make_trainer as gpu_trainer
     common = ("trainer.unpadded_attention=true", "model.attention_dropout=0", "trainer.accumulate=2",
-              "trainer.clip_norm=1.0", "optim.factor=0.1", *overrides)
-    return (gpu_trainer(tmp_path / "eager", "fp32", "trainer.static_shapes=true", *common),
-            gpu_trainer(tmp_path / "graphs", "fp32", "trainer.cuda_graphs=true", *common))
+              "trainer.clip_norm=1.0", "optim.factor=0.1", "trainer.tf32=false", *overrides)
+    return (gpu_trainer(tmp_path / "eager", precision, "trainer.static_shapes=true", *common),
+            gpu_trainer(tmp_path / "graphs", precision, "trainer.cuda_graphs=true", *common))
 
 
 def pinned_packed_steps(t, n):
@@ -211,15 +212,17 @@ def pinned_packed_steps(t, n):
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_cuda_graphs_on_packed_budgets_equal_the_eager_step(tmp_path, dropout):
     """6 steps of 2 packed micro-batches: the replayed graphs' statistics, gradient norms and weights equal the
-    eager packed step's (fp32), dropout on the sublayers included; the packings travel as graph inputs."""
+    eager packed step's (fp32, so the re-padding reference attention), dropout on the sublayers included; the
+    packings travel as graph inputs."""
     eager, graphed = gpu_packed_pair(tmp_path, f"model.dropout={dropout}")
     assert_replay_equals_eager(eager, graphed, pinned_packed_steps(eager, 6))
 
 
 @pytest.mark.gpu
 def test_cuda_graphs_on_packed_budgets_make_no_host_sync(tmp_path):
+    """bf16: torch's varlen kernel (or flash-attn's) captured in the graphs, and no step reads a device value."""
     from transformer.training.profiling import host_syncs
-    _, graphed = gpu_packed_pair(tmp_path)
+    _, graphed = gpu_packed_pair(tmp_path, precision="bf16")
     steps = pinned_packed_steps(graphed, 8)
     window, flag = TrainWindow(), LaggedFlag()
     for m in steps:  # every shape captured, the update graph too

@@ -107,6 +107,25 @@ def test_torchs_varlen_kernel_is_called_as_its_release_expects(monkeypatch, wind
                      else [{"is_causal": True}, {"is_causal": False}])
 
 
+def test_float32_queries_take_the_reference_not_a_flash_kernel(monkeypatch):
+    """Both varlen kernels are flash kernels, fp16 and bf16 only: under trainer.precision=fp32 on a GPU the
+    reference runs (torch's kernel raises on float32 queries: docs/performance.md, "GPU: H200, 2026-11-29")."""
+    from types import SimpleNamespace
+
+    from transformer.model import varlen
+    torchs, flash = object(), object()
+    monkeypatch.setattr(varlen, "torch_varlen_attn", torchs)
+    monkeypatch.setattr(varlen, "flash_attn_varlen_func", None)
+
+    def kernel(dtype, dropout, cuda=True):
+        return varlen.varlen_kernel(SimpleNamespace(is_cuda=cuda, dtype=dtype), dropout)
+    assert kernel(torch.bfloat16, 0.0) is torchs and kernel(torch.float16, 0.0) is torchs
+    assert kernel(torch.float32, 0.0) is None and kernel(torch.bfloat16, 0.1) is None  # torch's: no dropout
+    assert kernel(torch.bfloat16, 0.0, cuda=False) is None
+    monkeypatch.setattr(varlen, "flash_attn_varlen_func", flash)
+    assert kernel(torch.bfloat16, 0.1) is flash and kernel(torch.float32, 0.1) is None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_cuda_varlen_kernel_equals_padded(dropout):

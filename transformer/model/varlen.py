@@ -5,7 +5,8 @@ keeps the fused attention off its flash kernel.
 `Transformer.forward` packs the source and target tokens once (or takes the packings that the loader's collate
 made on the host, `host_packing`, which travel with the Batch: then no step reads a device value); embeddings,
 Linear maps, LayerNorms and the feed-forward networks are per token and run on the packed (N, d_model) rows;
-attention takes a `VarlenMask` (the packing of its queries and of its keys) and calls, in this order of preference:
+attention takes a `VarlenMask` (the packing of its queries and of its keys) and calls, in this order of preference
+(the two CUDA kernels for fp16 and bf16 queries only: both are flash kernels):
   - flash-attn's `flash_attn_varlen_func` (the optional flash-attn package, CUDA): attention dropout included;
   - torch's `torch.nn.attention.varlen.varlen_attn` (CUDA), which has no dropout: only where P_drop is 0
     (or in eval mode);
@@ -123,12 +124,24 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Va
     """q (N_q, h, d_k), k and v (N_k, h, d_k) -> (N_q, h, d_k). `padded_attention(q, k, v, mask, is_causal, p)`
     is the padded path's attention on (B, h, T, d_k) tensors, used by the reference."""
     qp, kp = mask
-    if q.is_cuda and flash_attn_varlen_func is not None:
+    kernel = varlen_kernel(q, dropout_p)
+    if kernel is None:
+        return _reference(q, k, v, qp, kp, is_causal, dropout_p, padded_attention)
+    if kernel is flash_attn_varlen_func:
         return flash_attn_varlen_func(q, k, v, qp.cu_seqlens, kp.cu_seqlens, qp.max_len, kp.max_len,
                                       dropout_p=dropout_p, causal=is_causal)
-    if q.is_cuda and dropout_p == 0 and torch_varlen_attn is not None:
-        return _torch_varlen(q, k, v, qp, kp, is_causal)
-    return _reference(q, k, v, qp, kp, is_causal, dropout_p, padded_attention)
+    return _torch_varlen(q, k, v, qp, kp, is_causal)
+
+
+def varlen_kernel(q: torch.Tensor, dropout_p: float):
+    """The CUDA varlen kernel for these queries, or None for the reference. Both kernels are flash kernels,
+    which take fp16 and bf16 only (torch's refuses float32: "FlashAttention only support fp16 and bf16 data
+    type"), so `trainer.precision=fp32` runs the reference."""
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if flash_attn_varlen_func is not None:
+        return flash_attn_varlen_func
+    return torch_varlen_attn if dropout_p == 0 else None
 
 
 def _torch_varlen(q, k, v, qp: Packing, kp: Packing, is_causal: bool) -> torch.Tensor:

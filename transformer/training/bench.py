@@ -245,7 +245,10 @@ def measure(trainer, b) -> dict:
             "graphs_during_timed": (graphs - graphs_warm) if trainer.tcfg.compile and graphs is not None else None,
             "cuda_graphs_captured": captured(trainer),
             "cuda_graphs_captured_timed": captured(trainer) - captured_warm if trainer.graphs is not None else None,
-            "peak_mem_gb": peak_memory_gb(device)}
+            "peak_mem_gb": peak_memory_gb(device),
+            # what the caching allocator holds, CUDA graphs' private pools included: the peak above resets after
+            # the warm-up, so it leaves out the memory of graphs captured there
+            "reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None}
 
 
 def settle(trainer, batches, limit: int, quiet: int = 20) -> int:
@@ -337,6 +340,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
         # the host's own time queuing each phase (on a CPU, the phases themselves), and with the data wait
         "host_ms": m["host_phases"], "host_step_ms": split["data_wait_ms"] + sum(m["host_phases"].values()),
         "peak_mem_gb": m["peak_mem_gb"], "peak_mem_kind": "cuda_max_allocated" if name != "cpu" else "process_rss",
+        "reserved_gb": m["reserved_gb"],
         "flops_per_step": flops, "flops_computed_per_step": flops_run,
         "waste_padding": (t.flops_batch - t.flops_real) / max(t.flops_run, 1),
         "waste_pad_multiple": (t.flops_run - t.flops_batch) / max(t.flops_run, 1),

@@ -60,13 +60,14 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
     return _FusedLoss.apply(logits, target, epsilon, pad_id, rows_per_chunk(logits), inplace)
 
 
-def choose(loss: str, device: torch.device, cuda_graphs: bool = False) -> str:
+def choose(loss: str, device: torch.device, cuda_graphs: bool = False, compile: bool = False) -> str:
     """trainer.loss as run on `device`: "auto" becomes "compiled" on CUDA GPUs where torch.compile can build
-    its kernels, except under trainer.cuda_graphs (its capture with the compiled loss is not yet measured on a
-    GPU), and "fused" elsewhere; any other name is kept."""
+    its kernels, except under trainer.cuda_graphs without trainer.compile (graphs with the compiled loss were
+    measured with the model compiled too: docs/performance.md), and "fused" elsewhere; any other name is kept."""
     if loss != "auto":
         return loss
-    return "compiled" if device.type == "cuda" and not cuda_graphs and can_compile_for_gpu() else "fused"
+    graphs_ok = not cuda_graphs or compile
+    return "compiled" if device.type == "cuda" and graphs_ok and can_compile_for_gpu() else "fused"
 
 
 @functools.cache

@@ -101,6 +101,9 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         model.set_bf16_residual(True)
     if tcfg.unpadded_attention:  # transformer/model/varlen.py: the training forward on packed real tokens
         model.set_unpadded_attention(True)
+        if env.device.type == "cuda" and amp_dtype is None:
+            warn("trainer.unpadded_attention with fp32: the varlen kernels take bf16 and fp16 only, so attention "
+                 "re-pads each call (slower than the padded model); use trainer.precision=bf16")
     if tcfg.activation_checkpointing:
         speedups.checkpoint_layers(model)
     # trainer.cuda_graphs all-reduces its flat gradient buffer itself (transformer/training/graphs.py)
@@ -109,7 +112,7 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         if tcfg.static_shapes or tcfg.cuda_graphs:  # one specialised graph per static shape, not one dynamic graph
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         net = torch.compile(net)
-    loss = choose_loss(tcfg.loss, env.device, tcfg.cuda_graphs)
+    loss = choose_loss(tcfg.loss, env.device, tcfg.cuda_graphs, tcfg.compile)
     if tcfg.loss == "auto" and loss == "compiled":  # the first step then compiles it: seconds, said once
         note("trainer.loss=auto: the compiled label-smoothed loss (torch.compile; trainer.loss=fused to avoid it)")
     return Parallelized(model, net, amp_dtype, scaler, env.device, loss)
