@@ -177,11 +177,6 @@ def config_keys() -> set:
     return keys
 
 
-def missing_keys(overrides, keys: set) -> list:
-    return [o.split("=", 1)[0] for o in overrides if "=" in o and not o.startswith(ENV)
-            and "." in o.split("=", 1)[0] and o.split("=", 1)[0] not in keys]
-
-
 ENV = "env."  # a switch of the environment: env.NAME=VALUE
 
 
@@ -189,6 +184,12 @@ def split_env(overrides) -> tuple:
     """(config overrides, {NAME: VALUE} of the env. switches)."""
     return ([o for o in overrides if not o.startswith(ENV)],
             dict(o[len(ENV):].split("=", 1) for o in overrides if o.startswith(ENV)))
+
+
+def missing_keys(overrides, keys: set) -> list:
+    config, _ = split_env(overrides)
+    return [o.split("=", 1)[0] for o in config
+            if "=" in o and "." in o.split("=", 1)[0] and o.split("=", 1)[0] not in keys]
 
 
 def run_tests(out: Path, log: Path, timeout: float, dry: bool) -> int:

@@ -485,7 +485,7 @@ def test_bench_gpu_gives_no_run_more_than_its_cap(tmp_path, monkeypatch):
                            "--out", str(tmp_path / "c.jsonl")]) == 0
     assert timeouts and all(30 <= t <= 40 for t in timeouts)
     # every run "failed" here (the stand-in returns no record): under the cap, a failure; cut by the budget's end,
-    # said so (the 2026-11-29 lease's summary called big's all+unpadded, stopped after 58 s, failed)
+    # said so (a lease's summary once called such a run failed: docs/performance.md)
     assert "failed (see the log)" in (tmp_path / "b.md").read_text()
     assert "cut at the budget's end" in (tmp_path / "c.md").read_text()
 
