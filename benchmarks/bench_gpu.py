@@ -81,6 +81,12 @@ SWITCH_SETS = {
 # its bytes take (docs/performance.md, "GPU: H200, 2026-11-29"): `all+unpadded` without it says whether the
 # split kernels are faster.
 SWITCH_SETS["all+unpadded+no_mix_order"] = (*SWITCH_SETS["all+unpadded"], "env.TORCHINDUCTOR_MIX_ORDER_REDUCTION=0")
+# torch.compile per layer (trainer.compile_scope=layers): two graphs to compile instead of the whole model, on
+# CPUs under a third of the compile time at N = 6 (docs/performance.md); whether its step is as fast as the whole
+# model's, which may fuse across layers, is what the GPU says.
+SWITCH_SETS["all+unpadded+layers"] = (*SWITCH_SETS["all+unpadded"], "trainer.compile_scope=layers")
+# without the feed-forward network's inner dropout (model.ffn_dropout=0; not in the paper's Section 5.4)
+SWITCH_SETS["all+unpadded+layers+ffn0"] = (*SWITCH_SETS["all+unpadded+layers"], "model.ffn_dropout=0")
 # CUDA graphs capture each new static shape (a few steps' time): more warm-up keeps captures out of the timing.
 SWITCH_SETS = {k: (*v, "bench.warmup=60") if "trainer.cuda_graphs=true" in v else v for k, v in SWITCH_SETS.items()}
 # trainer.micro_batch=fit: the WMT14 recipes' 8-GPU update on one GPU (1 x 8 x 3,300 tokens), as 8 micro-batches
@@ -103,7 +109,9 @@ HEAD = [(w, "eager") for w in ("big@16k", "base@16k")]
 PACKED = ("all+unpadded", "cuda_graphs+unpadded")
 FIRST = ("compile+unpadded", "all+unpadded+no_mix_order", "all", "compile+bf16_residual",
          "compile+bf16_residual+pad8", "fp8", "compile+fp8", "compile", "loss=fused", "cuda_graphs")
-PLAN = (HEAD + [(w, s) for s in PACKED for w in ("big@16k", "base@16k")]
+# the whole model's compile against the layers' first, for big, whose whole-model warm-up is the longest
+PAIR = [("big@16k", "all+unpadded"), ("big@16k", "all+unpadded+layers"), ("base@16k", "all+unpadded+layers")]
+PLAN = (HEAD + PAIR + [(w, s) for s in PACKED for w in ("big@16k", "base@16k")]
         + [("multi30k", s) for s in ("cuda_graphs+unpadded", "cuda_graphs")]
         + [(w, s) for s in FIRST for w in ("big@16k", "base@16k")]
         + [("big@recipe", s) for s in FIT_SETS]
@@ -121,12 +129,13 @@ TIER_FIRST = ("test_packed.py", "test_graphs.py", "test_varlen.py", "test_loss_o
 # brings back): the profile window's timeline (bench.trace: every kernel and host call in order, for Perfetto)
 # and, under torch.compile, the code it generated (torch's TORCH_LOGS=output_code): the profile names compiled
 # kernels after that code's Triton kernels, so a slow one can be read after the lease. Base: the step the host
-# holds back in eager mode, and the one with every switch on packed tokens.
-KEEP = (("base@16k", "eager"), ("base@16k", "all+unpadded"))
+# holds back in eager mode, and the one with every switch on packed tokens, compiled per layer and whole.
+KEEP = (("base@16k", "eager"), ("base@16k", "all+unpadded+layers"), ("base@16k", "all+unpadded"))
 # --dry-run: the same plan on a CPU, shrunk to seconds a run. A CPU has no CUDA graphs and compiles for
 # minutes, so each set runs as what a CPU can of it (DRY_SWAP: a graphed set's static shapes, packed token
 # budgets included, eager; the compiled loss's fused twin); a set that shrinks to one already run is skipped.
 DRY_SWAP = {"trainer.cuda_graphs=true": "trainer.static_shapes=true", "trainer.compile=true": None,
+            "trainer.compile_scope=layers": None,
             "trainer.loss=compiled": "trainer.loss=fused"}
 DRY = ("model=tiny", "model.N=1", "bench.sentences=300", "bench.vocab_size=300", "bench.max_len=30",
        "data.max_tokens=400", "bench.warmup=0", "bench.steps=1", "bench.repeats=1", "bench.profile_steps=1",

@@ -334,6 +334,19 @@ def test_bench_compiled_unpadded_model_stops_recompiling_after_warm_up(tmp_path)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("extra", [(), ("trainer.unpadded_attention=true", "trainer.static_shapes=true")],
+                         ids=["padded", "packed_budgets"])
+def test_bench_layer_compiled_model_uses_two_graphs_for_every_layer_and_shape(tmp_path, extra):
+    """trainer.compile_scope=layers: an encoder layer's graph and a decoder layer's, whatever N (2 here) and the
+    batch shapes, padded as they come or packed to token budgets; none compiled in the timed steps."""
+    r = record(bench(tmp_path, *TINY, "model.N=2", "model.d_model=32", "model.d_ff=64", "model.h=2",
+                     "trainer.compile=true", "trainer.compile_scope=layers", "bench.warmup=3", "bench.steps=4",
+                     *extra))
+    assert r["compile_scope"] == "layers" and r["shapes"] >= 3
+    assert r["graphs"] == 2 and r["graphs_during_timed"] == 0
+
+
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_bench_under_torchrun_reports_the_whole_job(tmp_path):
     """Two gloo workers: tokens/s summed over both, the statistics all-reduce timed, one report (rank 0)."""
@@ -387,16 +400,18 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     assert order[:len(bench_gpu.HEAD)] == bench_gpu.HEAD  # before the GPU tier: the defaults
     assert order[:2] == [("big@16k", "eager"), ("base@16k", "eager")]
     assert ("big@16k", "loss=fused") in runs and ("multi30k", "cuda_graphs") in runs
-    # next: the candidates for the targets, every switch on packed token budgets and those budgets graphed alone
-    # (at 16k and on Multi30k's batches), then compile on packed tokens, packed tokens without inductor's
-    # mix-order reduction, and every switch on the padded ladder; questions of defaults after them
-    assert order[2:8] == [("big@16k", "all+unpadded"), ("base@16k", "all+unpadded"),
-                          ("big@16k", "cuda_graphs+unpadded"), ("base@16k", "cuda_graphs+unpadded"),
-                          ("multi30k", "cuda_graphs+unpadded"), ("multi30k", "cuda_graphs")]
-    assert order[8:14] == [("big@16k", "compile+unpadded"), ("base@16k", "compile+unpadded"),
-                           ("big@16k", "all+unpadded+no_mix_order"), ("base@16k", "all+unpadded+no_mix_order"),
-                           ("big@16k", "all"), ("base@16k", "all")]
-    assert order.index(("big@16k", "compile+bf16_residual+pad8")) == 16 and order.index(("big@16k", "compile+fp8")) < 22
+    # next: the candidates for the targets, every switch on packed token budgets, compiled whole and per layer,
+    # and those budgets graphed alone (at 16k and on Multi30k's batches), then compile on packed tokens, packed
+    # tokens without inductor's mix-order reduction, and every switch on the padded ladder; questions of
+    # defaults after them
+    assert order[2:10] == [("big@16k", "all+unpadded"), ("big@16k", "all+unpadded+layers"),
+                           ("base@16k", "all+unpadded+layers"), ("base@16k", "all+unpadded"),
+                           ("big@16k", "cuda_graphs+unpadded"), ("base@16k", "cuda_graphs+unpadded"),
+                           ("multi30k", "cuda_graphs+unpadded"), ("multi30k", "cuda_graphs")]
+    assert order[10:16] == [("big@16k", "compile+unpadded"), ("base@16k", "compile+unpadded"),
+                            ("big@16k", "all+unpadded+no_mix_order"), ("base@16k", "all+unpadded+no_mix_order"),
+                            ("big@16k", "all"), ("base@16k", "all")]
+    assert order.index(("big@16k", "compile+bf16_residual+pad8")) == 18 and order.index(("big@16k", "compile+fp8")) < 24
     assert ("multi30k", "cuda_graphs+unpadded") in runs
     assert order.index(("base@16k", "cuda_graphs")) < order.index(("big@16k", "loss=reference"))  # set by set
     assert {(s["workload"], s["switches"]) for s in skipped} == {("big@16k", "wishful"), ("base@16k", "wishful")}
@@ -404,7 +419,8 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     overrides = dict((w, o) for w, s, o in todo if s == "eager")
     assert "experiment=wmt14_big" in overrides["big@recipe"] and "data.max_tokens=32768" in overrides["big@32k"]
     traced = {(w, s): o[-1] for w, s, o in todo if o[-1].startswith("bench.trace=")}  # what a lease keeps
-    assert set(traced) == set(bench_gpu.KEEP) == {("base@16k", "eager"), ("base@16k", "all+unpadded")}
+    assert set(traced) == set(bench_gpu.KEEP) == {("base@16k", "eager"), ("base@16k", "all+unpadded"),
+                                                  ("base@16k", "all+unpadded+layers")}
     assert traced["base@16k", "all+unpadded"].endswith("/bench-gpu-x.base-16k-all-unpadded.trace.json.gz")
     args.dry_run, args.switch = True, None
     todo, skipped = bench_gpu.plan(args, keys)
@@ -420,6 +436,7 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     why = {(s["workload"], s["switches"]): s["why"] for s in skipped}  # a set that shrinks to one run: once
     assert why["big@16k", "static_shapes"] == "dry run: as cuda_graphs on a CPU"
     assert why["base@16k", "compile"] == "dry run: as eager on a CPU"
+    assert why["base@16k", "all+unpadded"] == "dry run: as all+unpadded+layers on a CPU"  # no compile there
     assert why["big@16k", "fp8"].startswith("dry run: float8") and why["big@16k", "compile+fp8"].startswith("dry")
     assert len(dry) + len(skipped) == len(bench_gpu.PLAN)
 

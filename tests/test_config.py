@@ -134,3 +134,15 @@ def test_shape_steps_off_the_ladders_is_refused_with_its_key():
     with pytest.raises(ConfigError, match=r"trainer.shape_steps=3: must be one of 2, 4, 8, 16"):
         validate(compose_cfg("trainer.shape_steps=3"))
     validate(compose_cfg("trainer.shape_steps=8", "trainer.static_shapes=true"))
+
+
+def test_compile_scope_other_than_model_or_layers_is_refused_with_its_key():
+    with pytest.raises(ConfigError, match=r"trainer.compile_scope='layer': must be model or layers"):
+        validate(compose_cfg("trainer.compile_scope=layer"))
+    validate(compose_cfg("trainer.compile=true", "trainer.compile_scope=layers"))
+
+
+def test_ffn_dropout_out_of_range_is_refused_with_its_key():
+    with pytest.raises(ConfigError, match=r"model.ffn_dropout=1.0: must be in \[0, 1\), or null"):
+        validate(compose_cfg("model.ffn_dropout=1.0"))
+    validate(compose_cfg("model.ffn_dropout=0"))

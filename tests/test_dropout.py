@@ -138,6 +138,14 @@ def _rates(model):
     return attention, other
 
 
+def _ffn_rates(model):
+    from transformer.model.layers import FeedForward
+
+    ffn = [m.dropout for m in model.modules() if isinstance(m, FeedForward)]
+    other = {m.p for m in model.modules() if isinstance(m, Dropout) and all(m is not f for f in ffn)}
+    return {m.p for m in ffn}, other
+
+
 def test_attention_dropout_sets_the_attention_weights_rate_alone_and_survives_a_schedule():
     """model.attention_dropout: the paper's Section 5.4 drops sublayer outputs and embeddings, not attention
     weights; null keeps P_drop there (checkpoints before the key); trainer.dropout_by_epoch leaves a set rate."""
@@ -176,3 +184,31 @@ def test_checkpoints_without_attention_dropout_load_with_p_drop_there():
     old = {k: v for k, v in _model().args.to_dict().items() if k != "attention_dropout"}
     assert ModelArgs.from_dict(old).attention_dropout is None
     assert ModelArgs.from_dict({**old, "attention_dropout": 0.0}).attention_dropout == 0.0
+
+
+def test_ffn_dropout_sets_the_feed_forward_rate_alone_and_survives_a_schedule():
+    """model.ffn_dropout: the dropout after the feed-forward network's activation (not in Section 5.4) at its own
+    rate; null keeps P_drop there (checkpoints before the key); trainer.dropout_by_epoch leaves a set rate."""
+    assert _ffn_rates(_model()) == ({0.1}, {0.1})
+    model = _model(ffn_dropout=0.0, attention_dropout=0.05)
+    assert _ffn_rates(model) == ({0.0}, {0.1}) and _rates(model)[0] == {0.05}
+    model.set_dropout(0.3)
+    assert _ffn_rates(model) == ({0.0}, {0.3}) and _rates(model)[0] == {0.05}
+    plain = _model()
+    plain.set_dropout(0.3)
+    assert _ffn_rates(plain) == ({0.3}, {0.3})
+    from transformer.model import ModelArgs
+
+    old = {k: v for k, v in _model().args.to_dict().items() if k != "ffn_dropout"}
+    assert ModelArgs.from_dict(old).ffn_dropout is None
+
+
+def test_ffn_dropout_zero_leaves_the_feed_forward_output_deterministic():
+    """With ffn_dropout=0 and P_drop 0.1 elsewhere, the feed-forward network of a training model is the same
+    function twice; with the default it is not."""
+    from transformer.model.layers import FeedForward
+
+    x = torch.randn(4, 7, 16)
+    for rate, same in ((0.0, True), (None, False)):
+        ff = next(m for m in _model(ffn_dropout=rate).train().modules() if isinstance(m, FeedForward))
+        assert torch.equal(ff(x), ff(x)) == same

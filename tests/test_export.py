@@ -196,23 +196,26 @@ def test_released_marian_switches_import_with_the_logits_transformers_computes(a
     torch.testing.assert_close(our_logits(model.eval(), src, tgt_in), theirs, atol=2e-5, rtol=1e-5)
 
 
-def test_attention_dropout_goes_both_ways_with_marian_configs(tmp_path):
-    """A Marian config dropping 0.1 but nothing in attention (MarianConfig's defaults) imports as
-    model.attention_dropout=0.0 (a rate, which a fine-tuning run's config sets anew, as model.dropout); equal
-    rates import as null; an exported model writes its own rate."""
-    random_marian(tmp_path, dropout=0.1, attention_dropout=0.0)
+@pytest.mark.parametrize("ours,theirs", [("attention_dropout", "attention_dropout"),
+                                         ("ffn_dropout", "activation_dropout")])
+def test_own_dropout_rates_go_both_ways_with_marian_configs(tmp_path, ours, theirs):
+    """A Marian config dropping 0.1 but nothing in attention, or after the feed-forward activation
+    (MarianConfig's defaults), imports as model.attention_dropout=0.0 or model.ffn_dropout=0.0 (rates, which a
+    fine-tuning run's config sets anew, as model.dropout); equal rates import as null; an exported model writes
+    its own rate, or P_drop."""
+    random_marian(tmp_path, dropout=0.1, **{theirs: 0.0})
     args = import_hf(tmp_path / "marian")["model_args"]
-    assert (args["dropout"], args["attention_dropout"]) == (0.1, 0.0)
-    random_marian(tmp_path, dropout=0.1, attention_dropout=0.1)
-    assert import_hf(tmp_path / "marian")["model_args"]["attention_dropout"] is None
+    assert (args["dropout"], args[ours]) == (0.1, 0.0)
+    random_marian(tmp_path, dropout=0.1, **{theirs: 0.1})
+    assert import_hf(tmp_path / "marian")["model_args"][ours] is None
     trained = trained_model(steps=1)  # dropout 0.0
     for rate, written in ((None, 0.0), (0.3, 0.3)):
-        model = Transformer(dataclasses.replace(trained.args, attention_dropout=rate))
+        model = Transformer(dataclasses.replace(trained.args, **{ours: rate}))
         model.load_state_dict(trained.state_dict())
         export_hf(model, tokenizer(), {}, tmp_path / f"hf{rate}")
         cfg = json.loads((tmp_path / f"hf{rate}" / "config.json").read_text())
-        assert (cfg["dropout"], cfg["attention_dropout"]) == (0.0, written)
-        assert import_hf(tmp_path / f"hf{rate}")["model_args"]["attention_dropout"] == rate
+        assert (cfg["dropout"], cfg[theirs]) == (0.0, written)
+        assert import_hf(tmp_path / f"hf{rate}")["model_args"][ours] == rate
 
 
 def test_a_folder_without_a_model_or_tokenizer_is_refused(tmp_path):

@@ -248,12 +248,14 @@ def test_gpu_stats_report_memory_and_nvml_utilisation():
 
 # ---- the slowest last: a tier its time budget cuts short still runs the short tests above --------------------
 def test_compile_on_and_off_give_the_same_loss_curve(tmp_path):
+    """Eager, the whole model compiled, and each layer compiled (trainer.compile_scope=layers)."""
     curves = {}
-    for compiled in (False, True):
-        t = make_trainer(tmp_path / str(compiled), "fp32", "model.dropout=0.0", "trainer.tf32=false",
-                         f"trainer.compile={compiled}")
-        curves[compiled] = loss_curve(t, batches(t, 20))
-    np.testing.assert_allclose(curves[True], curves[False], rtol=5e-3)
+    for scope in ("eager", "model", "layers"):
+        compiled = ("trainer.compile=true", f"trainer.compile_scope={scope}") if scope != "eager" else ()
+        t = make_trainer(tmp_path / scope, "fp32", "model.dropout=0.0", "trainer.tf32=false", *compiled)
+        curves[scope] = loss_curve(t, batches(t, 20))
+    np.testing.assert_allclose(curves["model"], curves["eager"], rtol=5e-3)
+    np.testing.assert_allclose(curves["layers"], curves["eager"], rtol=5e-3)
 
 
 def test_exact_resume_on_gpu_in_deterministic_mode(tmp_path):

@@ -159,7 +159,8 @@ def graph_safe_trainer(tmp_path, *overrides, env=None, rank=0, world_size=1):
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
     parallel = parallelize(model, compose_cfg(*SMALL, *FP32, "trainer.static_shapes=true", *overrides), DistEnv())
     t = Trainer(cfg, env, parallel, data, build_task(cfg), tmp_path)
-    assert t.graphs is not None and not t.graphs.capture and (t.net is t.model) != cfg.trainer.compile
+    whole = cfg.trainer.compile and cfg.trainer.compile_scope == "model"  # else net is the module itself
+    assert t.graphs is not None and not t.graphs.capture and (t.net is t.model) != whole
     assert t.optimizer.param_groups[0]["capturable"] and torch.is_tensor(t.optimizer.param_groups[0]["lr"])
     return t
 
@@ -171,10 +172,12 @@ def graph_safe_pair(tmp_path, *overrides):
 
 
 @pytest.mark.slow
-def test_the_graph_safe_step_composes_with_compile_and_the_compiled_loss(tmp_path):
-    """make bench-gpu's `all` set on a CPU, without capture: the compiled model and the compiled loss inside
-    the graph-safe step give the ordinary compiled step's statistics and gradient norms."""
-    plain, graphed = graph_safe_pair(tmp_path, "trainer.compile=true", "trainer.loss=compiled",
+@pytest.mark.parametrize("scope", ["model", "layers"])
+def test_the_graph_safe_step_composes_with_compile_and_the_compiled_loss(tmp_path, scope):
+    """make bench-gpu's `all` set on a CPU, without capture: the compiled model (whole, or each layer) and the
+    compiled loss inside the graph-safe step give the ordinary compiled step's statistics and gradient norms."""
+    plain, graphed = graph_safe_pair(tmp_path, "trainer.compile=true", f"trainer.compile_scope={scope}",
+                                     "trainer.loss=compiled",
                                      "trainer.accumulate=2", "trainer.clip_norm=0.5", "model.dropout=0.0")
     steps = ragged_steps(3, 2)
     for ra, rb in zip(run(plain, steps), run(graphed, steps), strict=True):

@@ -39,6 +39,10 @@ class ModelConfig:
     # embeddings only (tensor2tensor and the Annotated Transformer add this one). At 0, attention needs no random
     # mask, and trainer.unpadded_attention runs torch's varlen kernel (no dropout) without the flash-attn package.
     attention_dropout: Optional[float] = None
+    # Dropout inside the feed-forward network, after the activation; null: model.dropout (as before). Section 5.4
+    # has none there either (tensor2tensor's relu_dropout, the Annotated Transformer's): at 0, one kernel less
+    # forward and backward per layer (docs/performance.md, "GPU: H200, 2026-11-29").
+    ffn_dropout: Optional[float] = None
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm (Annotated Transformer)
     tie_embeddings: str = "decoder"  # none | decoder | all (all needs one shared vocabulary)
     max_positions: int = 1024  # rows of the sinusoidal position table: the longest sequence the model takes
@@ -88,6 +92,7 @@ class TrainerConfig:
     deterministic: bool = False  # torch's deterministic algorithms (bit-exact GPU resume; slower)
     timeout_s: int = 600  # process-group timeout: a dead peer fails the job after this long
     compile: bool = False  # torch.compile the model
+    compile_scope: str = "model"  # what trainer.compile compiles: model (one graph) | layers (each layer)
     progress: bool = True  # progress bar on rank 0
     threads: Optional[int] = None  # torch CPU threads per worker; None = the cores this process may use / local workers
     ema_decay: float = 0.0  # exponential moving average of the weights (0 = off); validation scores the average
@@ -278,6 +283,8 @@ def check_model(m, key: str = "model") -> None:
     _check(0 <= m.dropout < 1, f"{key}.dropout", m.dropout, "must be in [0, 1)")
     _check(m.attention_dropout is None or 0 <= m.attention_dropout < 1, f"{key}.attention_dropout",
            m.attention_dropout, "must be in [0, 1), or null (= model.dropout)")
+    _check(m.ffn_dropout is None or 0 <= m.ffn_dropout < 1, f"{key}.ffn_dropout", m.ffn_dropout,
+           "must be in [0, 1), or null (= model.dropout)")
     _check(m.tie_embeddings in TIE_EMBEDDINGS, f"{key}.tie_embeddings", m.tie_embeddings,
            "must be " + ", ".join(TIE_EMBEDDINGS))
     _check(m.activation in ACTIVATIONS, f"{key}.activation", m.activation, "must be " + ", ".join(ACTIVATIONS))
@@ -306,6 +313,8 @@ def check_trainer(t) -> None:
            "must be auto or a positive number")
     _check(t.accelerator in ("auto", "cpu", "gpu"), "trainer.accelerator", t.accelerator, "must be auto, cpu or gpu")
     _check(t.loss in LOSSES, "trainer.loss", t.loss, f"must be one of {', '.join(LOSSES)}")
+    _check(t.compile_scope in ("model", "layers"), "trainer.compile_scope", t.compile_scope,
+           "must be model or layers")
     _check(t.micro_batch in ("fixed", "fit"), "trainer.micro_batch", t.micro_batch, "must be fixed or fit")
     _check(0 <= t.micro_batch_margin < 1, "trainer.micro_batch_margin", t.micro_batch_margin, "must be in [0, 1)")
     _check(0 <= t.micro_batch_tolerance < 1, "trainer.micro_batch_tolerance", t.micro_batch_tolerance,

@@ -56,12 +56,13 @@ def marian_config(args, dropout: Optional[float] = None):
 
     p = args.dropout if dropout is None else dropout
     attention = p if args.attention_dropout is None else args.attention_dropout
+    ffn = p if args.ffn_dropout is None else args.ffn_dropout
     tgt_rows = args.src_vocab_size if args.tie_embeddings == "all" else args.tgt_vocab_size
     return MarianConfig(
         vocab_size=args.src_vocab_size, decoder_vocab_size=tgt_rows, d_model=args.d_model,
         encoder_layers=args.N, decoder_layers=args.N_dec, encoder_attention_heads=args.h,
         decoder_attention_heads=args.h, encoder_ffn_dim=args.d_ff, decoder_ffn_dim=args.d_ff,
-        activation_function=args.activation, dropout=p, attention_dropout=attention, activation_dropout=p,
+        activation_function=args.activation, dropout=p, attention_dropout=attention, activation_dropout=ffn,
         max_position_embeddings=args.max_positions, scale_embedding=True,
         share_encoder_decoder_embeddings=args.tie_embeddings == "all",
         tie_word_embeddings=args.tie_embeddings in ("decoder", "all"),
@@ -176,11 +177,12 @@ def _import_refusal(cfg: dict, fixed_ids: bool = True) -> Optional[str]:
     return next((why for ok, why in checks if not ok), None)
 
 
-def _attention_dropout(cfg: dict) -> Optional[float]:
-    """model.attention_dropout of a Marian config: null where it equals `dropout` (this project's default), its own
-    rate otherwise (MarianConfig's defaults: 0.0 there, 0.1 elsewhere)."""
-    attention = cfg.get("attention_dropout")
-    return None if attention is None or float(attention) == float(cfg["dropout"]) else float(attention)
+def _own_dropout(cfg: dict, key: str) -> Optional[float]:
+    """model.attention_dropout (key attention_dropout) or model.ffn_dropout (activation_dropout) of a Marian
+    config: null where it equals `dropout` (this project's default), its own rate otherwise (MarianConfig's
+    defaults: 0.0 there, 0.1 elsewhere)."""
+    rate = cfg.get(key)
+    return None if rate is None or float(rate) == float(cfg["dropout"]) else float(rate)
 
 
 def _output_rows(bias: torch.Tensor) -> int:
@@ -247,7 +249,8 @@ def import_hf(path) -> dict:
                      max_positions=cfg["max_position_embeddings"], src_vocab_size=V, tgt_vocab_size=n_out,
                      shared_vocab=True, activation=HF_ACTIVATIONS[cfg.get("activation_function", "gelu")],
                      output_bias=bool((bias[:n_out] != 0).any()) or bool(spm and never),
-                     attention_dropout=_attention_dropout(cfg))
+                     attention_dropout=_own_dropout(cfg, "attention_dropout"),
+                     ffn_dropout=_own_dropout(cfg, "activation_dropout"))
     with torch.device("meta"):
         keys = separate_keys(Transformer(args))
     state = fuse_projections(from_marian(hf_state, [k for k in keys if k != "generator.bias"], args.d_model))

@@ -9,7 +9,7 @@ from torch import nn
 
 from transformer.model.cache import DecoderCache
 from transformer.model.dropout import Dropout, check_rate
-from transformer.model.layers import DecoderLayer, EncoderLayer, MultiHeadAttention, padding_bias
+from transformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, MultiHeadAttention, padding_bias
 from transformer.model.projections import StackedLinear, fuse_projections, replay_linear_init, split_projections
 from transformer.model.residual import norm_to, stream_dtype
 from transformer.model.varlen import Packing, VarlenMask, load_kernels, pack, packing, unpack
@@ -37,6 +37,7 @@ class ModelArgs:
     activation: str = "relu"  # feed-forward nonlinearity: relu | swish | gelu
     output_bias: bool = False  # a bias on the generator
     attention_dropout: Optional[float] = None  # on the attention weights; None: dropout
+    ffn_dropout: Optional[float] = None  # inside the feed-forward network, after the activation; None: dropout
 
     @classmethod
     def from_config(cls, model_cfg, src_vocab_size: int, tgt_vocab_size: int, shared_vocab: bool) -> "ModelArgs":
@@ -65,9 +66,10 @@ class ModelArgs:
         """A checkpoint's "model_args" as this version writes them (`load_checkpoint` applies it): those written
         before N_dec existed had N layers on both sides."""
         d = {**d, "N_dec": d["N"]} if "N_dec" not in d and "N" in d else d
-        # Written before model.activation, model.output_bias and model.attention_dropout existed: relu, no output
-        # bias, the attention weights dropped at P_drop.
-        return {"activation": "relu", "output_bias": False, "attention_dropout": None, **d} if "N" in d else d
+        # Written before model.activation, model.output_bias, model.attention_dropout and model.ffn_dropout
+        # existed: relu, no output bias, the attention weights and the feed-forward network dropped at P_drop.
+        old = {"activation": "relu", "output_bias": False, "attention_dropout": None, "ffn_dropout": None}
+        return {**old, **d} if "N" in d else d
 
 
 def sinusoidal_positions(n: int, d_model: int) -> torch.Tensor:
@@ -159,7 +161,7 @@ class Transformer(nn.Module):
             self.generator.weight = self.tgt_embed.tokens.weight
         if a.tie_embeddings == "all":
             self.src_embed.tokens.weight = self.tgt_embed.tokens.weight
-        if a.attention_dropout is not None:  # the attention weights' own rate (layers are built with P_drop)
+        if a.attention_dropout is not None or a.ffn_dropout is not None:  # own rates (layers are built with P_drop)
             self.set_dropout(a.dropout)
         self.bf16_residual = False  # set_bf16_residual
         self.unpadded_attention = False  # set_unpadded_attention
@@ -300,16 +302,20 @@ class Transformer(nn.Module):
         self.unpadded_attention = on
 
     def set_dropout(self, p: float) -> None:
-        """P_drop of every dropout in the model (embeddings, sublayers, FFN, and the attention weights unless
-        model.attention_dropout sets theirs), for a schedule over training (trainer.dropout_by_epoch); the
-        weights and model args are untouched."""
+        """P_drop of every dropout in the model (embeddings, sublayers, and the attention weights and the
+        feed-forward network's inner dropout unless model.attention_dropout and model.ffn_dropout set theirs), for
+        a schedule over training (trainer.dropout_by_epoch); the weights and model args are untouched."""
         check_rate(p)
         attention = p if self.args.attention_dropout is None else check_rate(self.args.attention_dropout)
+        ffn = p if self.args.ffn_dropout is None else check_rate(self.args.ffn_dropout)
         for m in self.modules():
             if isinstance(m, Dropout):
                 m.p = p
             elif isinstance(m, MultiHeadAttention):
                 m.dropout = attention
+        for m in self.modules():  # after the loop above, which visits a FeedForward before its Dropout
+            if isinstance(m, FeedForward):
+                m.dropout.p = ffn
 
     def set_bf16_residual(self, on: bool) -> None:
         """trainer.bf16_residual: under bf16 autocast the residual stream between sublayers (embeddings, every

@@ -329,6 +329,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "data": "synthetic" if b.synthetic else cfg.data.name, "max_tokens": trainer.data.train_sampler.max_tokens,
         "loader_workers": trainer.data.num_workers, "loss": trainer.parallel.loss,
         "accumulate": trainer.accumulate, "compute": compute, "compile": trainer.tcfg.compile,
+        "compile_scope": trainer.tcfg.compile_scope if trainer.tcfg.compile else None,
         "pad_to_multiple": trainer.pad_multiple, "static_shapes": trainer.static_shapes,
         "cuda_graphs": trainer.tcfg.cuda_graphs, "shapes": len(t.shapes),
         "activation_checkpointing": trainer.tcfg.activation_checkpointing,

@@ -15,7 +15,8 @@ from transformer.config import ConfigError, to_container
 from transformer.data.tokenizer import tokenizer_from_state
 from transformer.training.checkpoint import load_checkpoint
 
-FREE_AT_INIT = ("dropout", "attention_dropout")  # model args a fine-tuning run may change: rates, not weights
+# model args a fine-tuning run may change: rates, not weights
+FREE_AT_INIT = ("dropout", "attention_dropout", "ffn_dropout")
 
 
 @dataclass

@@ -104,13 +104,16 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
         if env.device.type == "cuda" and amp_dtype is None:
             warn("trainer.unpadded_attention with fp32: the varlen kernels take bf16 and fp16 only, so attention "
                  "re-pads each call (slower than the padded model); use trainer.precision=bf16")
+    if tcfg.compile and (tcfg.static_shapes or tcfg.cuda_graphs):  # a graph per static shape, not one dynamic one
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    regional = tcfg.compile and tcfg.compile_scope == "layers"
+    if regional:  # before checkpointing, which then recomputes the compiled layer
+        speedups.compile_layers(model)
     if tcfg.activation_checkpointing:
         speedups.checkpoint_layers(model)
     # trainer.cuda_graphs all-reduces its flat gradient buffer itself (transformer/training/graphs.py)
     net = DDP(model, **speedups.ddp_kwargs(tcfg, env.device)) if env.distributed and not tcfg.cuda_graphs else model
-    if tcfg.compile:
-        if tcfg.static_shapes or tcfg.cuda_graphs:  # one specialised graph per static shape, not one dynamic graph
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    if tcfg.compile and not regional:
         net = torch.compile(net)
     loss = choose_loss(tcfg.loss, env.device, tcfg.cuda_graphs, tcfg.compile)
     if tcfg.loss == "auto" and loss == "compiled":  # the first step then compiles it: seconds, said once

@@ -140,6 +140,50 @@ def _pad_to(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return F.pad(x, (0, extra), value=PAD) if extra else x
 
 
+def compile_layers(model: torch.nn.Module) -> None:
+    """trainer.compile_scope=layers: torch.compile each encoder and decoder layer instead of the whole model
+    (PyTorch's "regional compilation"). Dynamo compiles a layer class's `forward` once and every instance of the
+    class reuses it (parameters are graph inputs), so a model compiles two graphs, an encoder layer and a
+    decoder layer, whatever N is: the compile time of two layers instead of 2N layers and the glue between them
+    (docs/performance.md measures both). Embeddings, the memory projection and the generator stay eager, and no
+    kernel is fused across a layer boundary. Only the training forward is compiled, as with the whole model:
+    validation (no gradients) and incremental decoding (a cache) call the layers eagerly. Every size of a
+    layer's inputs is dynamic from the first call, the packings' integers too (dynamic=True: as integers they
+    cannot be marked, and left static each one that changes compiled the layers again, three graphs a layer on
+    packed token budgets), so the varying batch shapes (and static shapes, each captured by CUDA graphs) share
+    the one graph. The forward is wrapped per instance: parameter names are unchanged."""
+    for layer in [*model.encoder, *model.decoder]:
+        layer.forward = _compiled_layer(layer.forward)
+
+
+def _compiled_layer(forward):
+    compiled = torch.compile(forward, dynamic=True)
+
+    def run(*args, **kwargs):
+        if kwargs.get("cache") is not None or not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        for t in _tensors((args, kwargs)):
+            # dynamic=True alone left a size static (a view's base: the padding bias, a layer's slice of the
+            # memory's keys and values), and the second batch size compiled the decoder layer again
+            for u in (t, t._base) if t._base is not None else (t,):
+                for dim in range(u.dim()):
+                    torch._dynamo.maybe_mark_dynamic(u, dim)
+        return compiled(*args, **kwargs)
+    return run
+
+
+def _tensors(obj):
+    """The tensors in nested tuples (VarlenMask and Packing are named tuples), lists and dicts."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
 def checkpoint_layers(model: torch.nn.Module) -> None:
     """trainer.activation_checkpointing: each encoder and decoder layer keeps only its input for the backward
     pass and recomputes its activations there (about one more forward pass of the stacks, for activation
