@@ -81,9 +81,9 @@ SWITCH_SETS = {
 # its bytes take (docs/performance.md, "GPU: H200, 2026-11-29"): `all+unpadded` without it says whether the
 # split kernels are faster.
 SWITCH_SETS["all+unpadded+no_mix_order"] = (*SWITCH_SETS["all+unpadded"], "env.TORCHINDUCTOR_MIX_ORDER_REDUCTION=0")
-# torch.compile per layer (trainer.compile_scope=layers): two graphs to compile instead of the whole model, on
-# CPUs under a third of the compile time at N = 6 (docs/performance.md); whether its step is as fast as the whole
-# model's, which may fuse across layers, is what the GPU says.
+# torch.compile per layer (trainer.compile_scope=layers): two graphs to compile instead of the whole model (its
+# compile time on CPUs: docs/performance.md); whether its step is as fast as the whole model's, which may fuse
+# across layers, is what the GPU says.
 SWITCH_SETS["all+unpadded+layers"] = (*SWITCH_SETS["all+unpadded"], "trainer.compile_scope=layers")
 # without the feed-forward network's inner dropout (model.ffn_dropout=0; not in the paper's Section 5.4)
 SWITCH_SETS["all+unpadded+layers+ffn0"] = (*SWITCH_SETS["all+unpadded+layers"], "model.ffn_dropout=0")
