@@ -97,3 +97,29 @@ def test_cuda_compiled_bf16_stream_matches_fp32(norm_first):
     assert abs(loss.item() - ref.item()) / ref.item() < 1e-2
     loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_compiled_layer_saves_the_stream_in_bf16(norm_first):
+    """Under torch.compile (inductor, here on the CPU: the partitioner that picks what the backward reads is the
+    GPU's) an encoder layer saves the stream for LayerNorm's backward in bf16, never an fp32 (B, T, d_model)
+    tensor: post-norm rounds the sum to the stream's dtype before normalising, as pre-norm's stream already is,
+    so the backward recomputes the normalised input from a bf16 tensor instead of reading it back in fp32."""
+    from transformer.model.layers import EncoderLayer
+
+    torch.manual_seed(0)
+    layer = EncoderLayer(64, 128, 4, 0.1, norm_first)
+    layer.sub1.bf16_residual = layer.sub2.bf16_residual = True
+    compiled = torch.compile(lambda x: layer(x, None))
+    x = torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True)  # (B, T, d_model)
+    saved = []
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = compiled(x)
+    assert out.dtype == torch.bfloat16
+    stream = [t.dtype for t in saved if t.shape == x.shape and t.is_floating_point()]
+    assert stream and all(dtype == torch.bfloat16 for dtype in stream), stream
+    out.float().sum().backward()
+    assert torch.isfinite(x.grad).all()

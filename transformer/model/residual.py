@@ -3,9 +3,12 @@
 Under bf16 autocast the products run in bf16, but LayerNorm and the embeddings output fp32, so the residual
 stream between the sublayers is fp32: every Linear re-casts its input, and dropout, the add and LayerNorm
 each read and write fp32 tensors. With the switch on, the stream is stored in the autocast dtype; the
-functions here compute in fp32 (the sum and LayerNorm's statistics) and round once, at their output. Under
-torch.compile each becomes one kernel that reads bf16 and writes bf16; in eager mode the same arithmetic
-runs op by op. The switch changes no weights and no checkpoint key.
+functions here compute in fp32 (the sum and LayerNorm's statistics) and round at their output. The post-norm
+sum is rounded to the stream's dtype before it is normalised, as pre-norm's stream already is: LayerNorm's
+backward then recomputes the normalised input from that bf16 sum, where the compiler otherwise saved the
+normalised input in fp32, twice the bytes written forward and read back (tests/test_residual.py checks what a
+compiled layer saves). Under torch.compile each function becomes one kernel that reads bf16 and writes bf16;
+in eager mode the same arithmetic runs op by op. The switch changes no weights and no checkpoint key.
 """
 from typing import Optional
 
@@ -35,6 +38,6 @@ def dropout_add(x: torch.Tensor, y: torch.Tensor, dropout: nn.Module, dtype: tor
 
 def dropout_add_norm(x: torch.Tensor, y: torch.Tensor, dropout: nn.Module, norm: nn.Module,
                      dtype: torch.dtype) -> torch.Tensor:
-    """LayerNorm(x + Dropout(y)) (the post-norm residual), the sum and the statistics in fp32, the result in
-    `dtype`. x, y (B, T, d_model)."""
-    return norm_to(norm, x.float() + dropout(y.float()), dtype)
+    """LayerNorm(x + Dropout(y)) (the post-norm residual): the sum in fp32 rounded to `dtype` like the stream,
+    the statistics in fp32, the result in `dtype`. x, y (B, T, d_model)."""
+    return norm_to(norm, (x.float() + dropout(y.float())).to(dtype), dtype)
