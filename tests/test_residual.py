@@ -99,7 +99,6 @@ def test_cuda_compiled_bf16_stream_matches_fp32(norm_first):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_compiled_layer_saves_the_stream_in_bf16(norm_first):

@@ -40,4 +40,4 @@ def dropout_add_norm(x: torch.Tensor, y: torch.Tensor, dropout: nn.Module, norm:
                      dtype: torch.dtype) -> torch.Tensor:
     """LayerNorm(x + Dropout(y)) (the post-norm residual): the sum in fp32 rounded to `dtype` like the stream,
     the statistics in fp32, the result in `dtype`. x, y (B, T, d_model)."""
-    return norm_to(norm, (x.float() + dropout(y.float())).to(dtype), dtype)
+    return norm_to(norm, dropout_add(x, y, dropout, dtype), dtype)
