@@ -106,6 +106,7 @@ def test_compiled_layer_saves_the_stream_in_bf16(norm_first):
     GPU's) an encoder layer saves the stream for LayerNorm's backward in bf16, never an fp32 (B, T, d_model)
     tensor: post-norm rounds the sum to the stream's dtype before normalising, as pre-norm's stream already is,
     so the backward recomputes the normalised input from a bf16 tensor instead of reading it back in fp32."""
+    from benchmarks.saved_activations import saved_bytes
     from transformer.model.layers import EncoderLayer
 
     torch.manual_seed(0)
@@ -113,12 +114,9 @@ def test_compiled_layer_saves_the_stream_in_bf16(norm_first):
     layer.sub1.bf16_residual = layer.sub2.bf16_residual = True
     compiled = torch.compile(lambda x: layer(x, None))
     x = torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True)  # (B, T, d_model)
-    saved = []
-    with torch.autocast("cpu", dtype=torch.bfloat16), \
-            torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        out = compiled(x)
-    assert out.dtype == torch.bfloat16
-    stream = [t.dtype for t in saved if t.shape == x.shape and t.is_floating_point()]
-    assert stream and all(dtype == torch.bfloat16 for dtype in stream), stream
-    out.float().sum().backward()
+    outs = []
+    by = saved_bytes(lambda src, tgt: outs.append(compiled(src)) or outs[-1], x, None)  # runs the backward too
+    assert outs[0].dtype == torch.bfloat16
+    stream = [dtype for dtype, shape in by if shape == tuple(x.shape) and getattr(torch, dtype).is_floating_point]
+    assert stream and all(dtype == "bfloat16" for dtype in stream), stream
     assert torch.isfinite(x.grad).all()
