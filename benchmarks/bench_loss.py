@@ -1,6 +1,7 @@
 """Forward + backward time of the label-smoothed cross-entropy (transformer/training/loss.py) on (rows, vocab)
 logits: the fused function (its gradient in a new tensor, or written into the logits as the trainer asks), the
-log_softmax reference, the same through torch.compile (trainer.loss=compiled), and optionally another version
+log_softmax reference, the fused passes through torch.compile (trainer.loss=compiled; in place too, the
+trainer's call), and optionally another version
 of loss.py (`--other PATH`, e.g. main's) for a before/after comparison. Median and spread of `--repeats`
 timings, one line each.
 
@@ -68,6 +69,7 @@ def main() -> None:
     fns = {"fused": lambda x, t: label_smoothed_cross_entropy(x, t, 0.1, 0),
            "fused_inplace": lambda x, t: label_smoothed_cross_entropy(x, t, 0.1, 0, inplace=True),
            "compiled": lambda x, t: label_smoothed_cross_entropy(x, t, 0.1, 0, impl="compiled"),
+           "compiled_inplace": lambda x, t: label_smoothed_cross_entropy(x, t, 0.1, 0, impl="compiled", inplace=True),
            "reference": lambda x, t: label_smoothed_cross_entropy(x, t, 0.1, 0, impl="reference")}
     if args.other:
         other = load_other(args.other)
@@ -81,7 +83,7 @@ def main() -> None:
             times[k] += time_one(fns[k], hidden, weight, target, 1, device)
     for k in order:
         ms = [1e3 * t for t in times[k]]
-        print(f"  {k:14s} {statistics.median(ms):8.2f}  ({min(ms):.2f}-{max(ms):.2f})")
+        print(f"  {k:16s} {statistics.median(ms):8.2f}  ({min(ms):.2f}-{max(ms):.2f})")
 
 
 if __name__ == "__main__":

@@ -104,9 +104,10 @@ class TrainerConfig:
     activation_checkpointing: bool = False  # recompute each layer's activations in backward: less memory
     ddp_bucket_mb: int = 25  # DDP gradient bucket size
     ddp_static_graph: bool = False  # DDP static_graph=True (the same parameters get gradients every step)
-    # fused (chunked, one fp32 chunk per pass, gradient written into the logits) | compiled (log_softmax form,
-    # torch.compile) | reference (log_softmax and autograd) | auto: compiled on CUDA GPUs where torch.compile
-    # can build kernels (Triton and a C compiler), except under cuda_graphs without compile; fused elsewhere
+    # fused (chunked, one fp32 chunk per pass, gradient written into the logits) | compiled (the same two passes,
+    # each one torch.compile'd graph over all rows) | reference (log_softmax and autograd) | auto: compiled on
+    # CUDA GPUs where torch.compile can build kernels (Triton and a C compiler), except under cuda_graphs without
+    # compile; fused elsewhere
     loss: str = "auto"
     bf16_residual: bool = False  # under bf16 autocast: residual stream in bf16, LayerNorm statistics in fp32
     unpadded_attention: bool = False  # training forward on the real tokens only, packed, variable-length attention

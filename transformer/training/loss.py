@@ -19,12 +19,12 @@ computed in fp32 in the buffer and stored into a gradient tensor of the logits' 
 the trainer's call) into the logits' own storage, which nothing reads after the loss: no second
 vocabulary-sized tensor for the gradient.
 
-`impl="compiled"` (trainer.loss=compiled) hands the log_softmax form to torch.compile instead, with the number
-of rows dynamic: the compiler writes its own reduction kernels (on GPUs, Triton: each row's maximum and
-log-sum-exp read from the bf16 logits in a pass or two) and a backward that saves only the logits and two
-numbers a row, as above, but writes the gradient into a new tensor. On GPUs, where each chunk of the fused
-loss is a dozen kernels that each read or write the whole fp32 chunk, it is the faster one; on CPUs the
-hand-written chunks are (docs/performance.md). `choose` picks between them for trainer.loss=auto.
+`impl="compiled"` (trainer.loss=compiled) runs the same two passes as two torch.compile'd graphs over the
+whole logits, rows and vocabulary dynamic, whose kernels (Triton on GPUs) cast as they read: the forward
+reads the logits and keeps three numbers a row, the backward reads them and writes the gradient once (into
+the logits with `inplace`); neither allocates a vocabulary-sized tensor (tests/test_loss_optim.py). On GPUs,
+where each chunk of the fused loss is a dozen kernels that each read or write the whole fp32 chunk, it is the
+faster one (docs/performance.md). `choose` picks between them for trainer.loss=auto.
 """
 
 import functools
@@ -43,7 +43,7 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
 
     Summed, not averaged: the trainer divides by the token count of the whole optimiser step
     (all micro-batches, all ranks), so every token weighs the same whatever the batch split.
-    `impl`: "fused" (the chunked autograd function), "compiled" (the reference through torch.compile),
+    `impl`: "fused" (the chunked autograd function), "compiled" (its passes through torch.compile),
     "reference" (log_softmax and autograd, fp32) or "auto" (`choose`; the trainer passes its choice).
     `inplace`: the backward pass overwrites the logits with their gradient (for logits that nothing reads
     after the loss; ignored for a leaf tensor, whose values are the caller's).
@@ -54,9 +54,9 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
         raise ValueError(f"trainer.loss={impl!r}: must be one of {', '.join(IMPLEMENTATIONS)}")
     if impl == "reference" or torch.compiler.is_compiling():
         return reference_label_smoothed_cross_entropy(logits, target, epsilon, pad_id)
-    if impl == "compiled":
-        return _compiled()(logits, target, epsilon, pad_id)
     inplace = inplace and logits.grad_fn is not None
+    if impl == "compiled":
+        return _CompiledLoss.apply(logits, target, epsilon, pad_id, inplace)
     return _FusedLoss.apply(logits, target, epsilon, pad_id, rows_per_chunk(logits), inplace)
 
 
@@ -81,9 +81,10 @@ def can_compile_for_gpu() -> bool:
 
 
 @functools.cache
-def _compiled():
-    """The compiled reference, made at its first use (compiling costs seconds; most runs never ask)."""
-    return torch.compile(reference_label_smoothed_cross_entropy, dynamic=True)
+def _compiled(fn):
+    """`fn` through torch.compile, made at its first use (compiling costs seconds; most runs never ask), rows and
+    vocabulary dynamic: one graph for every batch."""
+    return torch.compile(fn, dynamic=True)
 
 
 def rows_per_chunk(logits: torch.Tensor) -> int:
@@ -148,6 +149,64 @@ class _FusedLoss(torch.autograd.Function):
             if not direct:
                 grad[rows] = g
         return grad.view_as(logits), None, None, None, None, None
+
+
+class _CompiledLoss(torch.autograd.Function):
+    """The fused loss's two passes, each one torch.compile'd graph of the whole (N, V) logits (trainer.loss=compiled).
+
+    Autograd of the compiled log_softmax form (this class's predecessor) had the compiler save the fp32
+    log-probabilities for the backward pass and build the gradient from a zeroed fp32 (N, V) tensor: on an
+    H200, four vocabulary-sized fp32 passes that took 3.7 ms of base@16k's 30 ms step (docs/performance.md).
+    Written as the fused loss's formulas instead, the forward graph reads the logits once and keeps three
+    numbers a row, and the backward graph reads them once and writes the gradient once, in the logits' dtype
+    and, with `inplace`, into their own storage.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, epsilon: float, pad_id: int, inplace: bool):
+        V = logits.size(-1)
+        x = logits.detach().reshape(-1, V)  # (N, V)
+        t = target.reshape(-1)  # (N,)
+        lse, nll, smooth = _compiled(_rows_forward)(x, t, pad_id)  # (N,) each
+        ctx.save_for_backward(logits, t, lse)
+        ctx.epsilon, ctx.pad_id, ctx.inplace = epsilon, pad_id, inplace
+        return _summed(nll, smooth, epsilon, V)
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        logits, t, lse = ctx.saved_tensors
+        x = logits.detach().reshape(-1, logits.size(-1))
+        grad = x if ctx.inplace else torch.empty_like(x)  # (N, V) in the logits' dtype
+        _compiled(_rows_backward)(x, t, lse, grad_loss, grad_nll, ctx.epsilon, ctx.pad_id, grad)
+        return grad.view_as(logits), None, None, None, None
+
+
+def _rows_forward(x: torch.Tensor, t: torch.Tensor, pad_id: int):
+    """(N, V) logits, (N,) targets -> each row's log-sum-exp, -log p_target and sum_c -log p_c (zero at pads),
+    in fp32 (fp64 for fp64 logits): the rows' maximum, exp-sum, logit sum and target logit in one pass."""
+    V = x.size(-1)
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # (N, V), fused into the reads: never stored
+    m = xf.amax(dim=-1, keepdim=True)  # (N, 1)
+    lse = (xf - m).exp().sum(dim=-1).log() + m.squeeze(1)  # (N,)
+    pad = t == pad_id
+    nll = (lse - xf.gather(1, t[:, None]).squeeze(1)).masked_fill(pad, 0.0)
+    smooth = (V * lse - xf.sum(dim=-1)).masked_fill(pad, 0.0)
+    return lse, nll, smooth
+
+
+def _rows_backward(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, grad_loss: torch.Tensor,
+                   grad_nll: torch.Tensor, epsilon: float, pad_id: int, out: torch.Tensor) -> None:
+    """Writes d(g_loss * loss + g_nll * nll) / dx into `out` (N, V), which may be `x` itself:
+    a_i * p_ij - b_i - c_i [j = t_i], the fused loss's backward in one pointwise pass."""
+    V = x.size(-1)
+    eps_i = epsilon / (V - 1)
+    keep = (t != pad_id).to(lse.dtype)[:, None]  # (N, 1)
+    a = (grad_loss + grad_nll) * keep
+    b = grad_loss * eps_i * keep
+    c = (grad_loss * (1.0 - epsilon - eps_i) + grad_nll) * keep
+    hit = torch.arange(V, device=x.device)[None, :] == t[:, None]  # (N, V), computed in the kernel
+    p = (x.to(lse.dtype) - lse[:, None]).exp()
+    out.copy_(a * p - b - c * hit)
 
 
 def reference_label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, epsilon: float,

@@ -48,7 +48,9 @@ def busy_fraction(intervals: Iterable[Tuple[float, float]], window: Optional[Tup
 # Kernel families by name, the first that matches: compiled (Triton) kernels are named after what they fuse,
 # so the loss's and attention's are told apart before the generic "compiled" family takes the rest.
 FAMILIES = (
-    ("loss", r"log_?softmax|softmax|cross_entropy|nll_loss"),  # SDPA's softmax is inside its kernels
+    # SDPA's softmax is inside its kernels; the compiled loss's passes (loss.py) fuse a gather after the rows'
+    # maxima (forward) and compare each column with the target (backward)
+    ("loss", r"log_?softmax|softmax|cross_entropy|nll_loss|amax.*gather|arange.*_eq_exp"),
     ("attention", r"fmha|flash|attention|sdpa"),
     ("matmul", r"gemm|nvjet|xmma|cublas|cutlass|splitk|_mm_|matmul"),
     ("compiled (Triton)", r"^triton_"),
