@@ -25,7 +25,7 @@ class MultiHeadAttention(nn.Module):
 
     Self-attention projects its input to queries, keys and values in one product (`qkv_proj`, a StackedLinear);
     cross-attention (`self_attention=False`) projects only the queries and takes the keys/values of the encoder
-    output precomputed for all decoder layers at once (`Transformer.project_memory`).
+    output precomputed for all decoder layers at once (`Transformer.memory_kv_of_layers`, `project_memory`).
     A mask is boolean, True where a query may attend to a key, or additive (0 or -inf in the queries' dtype:
     the source padding mask, `padding_bias`), broadcastable to (B, h, T, S).
     The fused `scaled_dot_product_attention` picks flash/memory-efficient kernels where it can; a padding
@@ -60,7 +60,8 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, query: torch.Tensor, kv: Optional[torch.Tensor] = None, mask=None,
                 is_causal: bool = False, cache: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
-        """query (B, T, d_model). Self-attention: keys/values from `query`; cross-attention: `kv` (2, B, h, S, d_k).
+        """query (B, T, d_model). Self-attention: keys/values from `query`; cross-attention: `kv`, keys and values
+        (B, h, S, d_k) each, as a pair or stacked (2, B, h, S, d_k).
         `cache` (decoder self-attention while decoding) holds the keys/values of earlier positions and is
         extended in place, so each new token costs one row of attention instead of the whole prefix."""
         if isinstance(mask, VarlenMask):  # packed rows (transformer/model/varlen.py)
@@ -84,7 +85,8 @@ class MultiHeadAttention(nn.Module):
 
     def _forward_packed(self, x: torch.Tensor, kv: Optional[torch.Tensor], mask: VarlenMask,
                         is_causal: bool) -> torch.Tensor:
-        """x (N_q, d_model), the real tokens of a batch packed; cross-attention's kv (2, N_k, h, d_k)."""
+        """x (N_q, d_model), the real tokens of a batch packed; cross-attention's kv: keys and values
+        (N_k, h, d_k) each."""
         N = x.size(0)
         if kv is None:
             q, k, v = self.qkv_proj(x).view(N, 3, self.h, self.d_k).unbind(1)  # 3 x (N, h, d_k)
@@ -215,11 +217,12 @@ class DecoderLayer(nn.Module):
         self.sub2 = SublayerConnection(d_model, dropout, norm_first)
         self.sub3 = SublayerConnection(d_model, dropout, norm_first)
 
-    def forward(self, x: torch.Tensor, memory_kv: torch.Tensor, src_mask,
+    def forward(self, x: torch.Tensor, memory_kv, src_mask,
                 cache: Optional[Dict[str, torch.Tensor]] = None, tgt_mask: Optional[VarlenMask] = None) -> torch.Tensor:
-        """x (B, T, d_model); memory_kv (2, B, h, S, d_k): this layer's keys and values of the encoder output.
-        Packed (Transformer.forward with unpadded attention): x (N_t, d_model), memory_kv (2, N_s, h, d_k), and
-        src_mask and tgt_mask the VarlenMasks of cross- and self-attention."""
+        """x (B, T, d_model); memory_kv: this layer's keys and values of the encoder output, (B, h, S, d_k)
+        each, a pair (training) or stacked (2, B, h, S, d_k) (the decoding cache). Packed (Transformer.forward
+        with unpadded attention): x (N_t, d_model), memory_kv a pair of (N_s, h, d_k), and src_mask and
+        tgt_mask the VarlenMasks of cross- and self-attention."""
         # Right padding: a real target position never sees a pad position under the causal mask,
         # so the causal mask alone suffices (and lets SDPA use its fused causal kernels).
         x = self.sub1(x, lambda y: self.self_attn(y, mask=tgt_mask, is_causal=True, cache=cache))

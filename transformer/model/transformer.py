@@ -1,7 +1,7 @@
 """The encoder-decoder Transformer (paper Section 3, Figure 1) and the arguments that rebuild it."""
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -212,12 +212,25 @@ class Transformer(nn.Module):
 
     def project_memory(self, memory: torch.Tensor) -> torch.Tensor:
         """memory (B, S, d_model) -> the cross-attention keys and values of every decoder layer, one product:
-        (N_dec, 2, B, h, S, d_k), [i, 0] layer i's keys, [i, 1] its values. Packed memory (N_s, d_model)
-        -> (N_dec, 2, N_s, h, d_k)."""
+        (N_dec, 2, B, h, S, d_k), [i, 0] layer i's keys, [i, 1] its values (the decoding cache's layout)."""
+        kv = self._memory_kv(memory).unflatten(-3, (self.args.N_dec, 2))  # (B, S, N_dec, 2, h, d_k)
+        return kv.movedim((-4, -3), (0, 1)).transpose(-3, -2)
+
+    def memory_kv_of_layers(self, memory: torch.Tensor) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+        """memory (B, S, d_model) -> each decoder layer's (keys, values), each (B, h, S, d_k), from one product;
+        packed memory (N_s, d_model) -> (N_s, h, d_k) each. Taken apart along the product's own layout, so
+        that autograd assembles their gradients in that layout, as the product's backward reads it: indexing
+        a (N_dec, 2, B, h, S, d_k) view instead had the compiled backward zero-fill and write that shape, then
+        transpose it in a second pass (0.69 ms of base@16k's step on an H200: docs/performance.md)."""
+        parts = self._memory_kv(memory).unbind(-3)  # 2·N_dec x (B, S, h, d_k) or (N_s, h, d_k)
+        if memory.dim() == 3:
+            parts = [p.transpose(1, 2) for p in parts]  # (B, h, S, d_k)
+        return list(zip(parts[0::2], parts[1::2], strict=True))
+
+    def _memory_kv(self, memory: torch.Tensor) -> torch.Tensor:
+        """The product's output as (B, S, 2·N_dec, h, d_k) (packed: (N_s, 2·N_dec, h, d_k)), a view."""
         h = self.args.h
-        kv = self.memory_kv_proj(memory).view(*memory.shape[:-1], self.args.N_dec, 2, h, self.args.d_model // h)
-        kv = kv.movedim((-4, -3), (0, 1))  # (N_dec, 2, B, S, h, d_k) or (N_dec, 2, N_s, h, d_k)
-        return kv.transpose(-3, -2) if memory.dim() == 3 else kv
+        return self.memory_kv_proj(memory).view(*memory.shape[:-1], 2 * self.args.N_dec, h, self.args.d_model // h)
 
     def new_cache(self, memory: torch.Tensor, src_mask: torch.Tensor) -> DecoderCache:
         return DecoderCache(self.project_memory(memory), src_mask)
@@ -239,7 +252,7 @@ class Transformer(nn.Module):
             (B, T, V) logits over the target vocabulary (V = tgt_vocab_size), unnormalised.
         """
         if cache is None:
-            cross_kv = self.project_memory(memory)  # (N_dec, 2, B, h, S, d_k)
+            cross_kv = self.memory_kv_of_layers(memory)  # N_dec x ((B, h, S, d_k), (B, h, S, d_k))
             self_caches = [None] * len(self.decoder)
         else:
             cross_kv, self_caches, src_mask = cache.cross_kv, cache.self_attn, cache.src_mask
@@ -275,7 +288,7 @@ class Transformer(nn.Module):
         x = pack(self.src_embed(src), sp)  # (N_s, d_model)
         for layer in self.encoder:
             x = layer(x, VarlenMask(sp, sp))
-        memory_kv = self.project_memory(self._final_norm(self.enc_norm, x))  # (N_dec, 2, N_s, h, d_k)
+        memory_kv = self.memory_kv_of_layers(self._final_norm(self.enc_norm, x))  # N_dec x 2 x (N_s, h, d_k)
         y = pack(self.tgt_embed(tgt_in), tp)  # (N_t, d_model)
         for layer, kv in zip(self.decoder, memory_kv, strict=True):
             y = layer(y, kv, VarlenMask(tp, sp), tgt_mask=VarlenMask(tp, tp))
@@ -288,7 +301,7 @@ class Transformer(nn.Module):
         x = self.src_embed(src, positions=sp.index % sp.T, longest=sp.T)  # (N_s, d_model)
         for layer in self.encoder:
             x = layer(x, VarlenMask(sp, sp))
-        memory_kv = self.project_memory(self._final_norm(self.enc_norm, x))  # (N_dec, 2, N_s, h, d_k)
+        memory_kv = self.memory_kv_of_layers(self._final_norm(self.enc_norm, x))  # N_dec x 2 x (N_s, h, d_k)
         y = self.tgt_embed(tgt_in, positions=tp.index % tp.T, longest=tp.T)  # (N_t, d_model)
         for layer, kv in zip(self.decoder, memory_kv, strict=True):
             y = layer(y, kv, VarlenMask(tp, sp), tgt_mask=VarlenMask(tp, tp))
