@@ -3,11 +3,13 @@ tokens, Multi30k's batches: docs/performance.md, "The host") shows it as gaps be
 the kernel after it, and the host operator that launched that kernel (the innermost `cpu_op` around its launch
 call, matched by the trace's correlation ids); a gap whose next kernel was launched only after the GPU had run
 dry is the host's. Prints the window's busy and idle time, the idle time by launching operator, and the longest
-gaps. With `--code`, the Triton source of a compiled kernel from the code torch.compile logged
+gaps. With `--kernels N`, the N kernels that took the most GPU time, by name (ms per step with `--steps`, calls,
+µs a call). With `--code`, the Triton source of a compiled kernel from the code torch.compile logged
 (TORCH_LOGS=output_code, which `make bench-gpu` keeps beside the trace). Reads the files a lease brings back;
 needs no GPU. Prints measured numbers, asserts nothing.
 
     python benchmarks/read_trace.py TRACE.json[.gz] [--gaps 15] [--min-gap-us 2]
+    python benchmarks/read_trace.py TRACE.json[.gz] --kernels 40 --steps 5   # bench.trace profiles 5 steps
     python benchmarks/read_trace.py --code CODE.txt --kernel triton_per_fused_..._6
 """
 import argparse
@@ -92,6 +94,22 @@ def report(result: dict, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def kernel_table(events: List[dict], steps: int = 1, top: int = 40) -> str:
+    """The `top` kernels (and copies) by their summed time: ms and calls per step, µs a call, share of the total."""
+    time, calls = collections.Counter(), collections.Counter()
+    for e in events:
+        if e.get("cat") in DEVICE:
+            time[e["name"]] += e["dur"]
+            calls[e["name"]] += 1
+    total = sum(time.values()) or 1.0
+    lines = [f"kernel time: {total / 1e3 / steps:.3f} ms a step over {steps} step(s); the {top} largest:",
+             "   ms/step  share  calls/step   us/call  name"]
+    for name, us in time.most_common(top):
+        lines.append(f"  {us / 1e3 / steps:8.3f} {100 * us / total:5.1f}% {calls[name] / steps:10.1f} "
+                     f"{us / calls[name]:9.1f}  {name[:110]}")
+    return "\n".join(lines)
+
+
 _PREFIX = re.compile(r"^[VIWE]\d{4} [\d:.]+ \d+ \S+\] (\[[^\]]*\] )*")  # torch's log prefix on each line
 
 
@@ -109,6 +127,8 @@ def main(argv=None) -> int:
     p.add_argument("trace", nargs="?", type=Path, help="a bench.trace file (.json or .json.gz)")
     p.add_argument("--gaps", type=int, default=15, help="how many operators and gaps to list")
     p.add_argument("--min-gap-us", type=float, default=2.0, help="shorter idle spans are not counted as gaps")
+    p.add_argument("--kernels", type=int, help="list this many kernels by their summed time")
+    p.add_argument("--steps", type=int, default=1, help="with --kernels: the steps the trace holds (per-step figures)")
     p.add_argument("--code", type=Path, help="torch.compile's logged output code (TORCH_LOGS=output_code; .gz too)")
     p.add_argument("--kernel", help="with --code: the compiled kernel whose source to print")
     args = p.parse_args(argv)
@@ -123,7 +143,10 @@ def main(argv=None) -> int:
             return 2
         print(source)
     if args.trace:
-        print(report(gaps(load(args.trace), args.min_gap_us), args.gaps))
+        events = load(args.trace)
+        print(report(gaps(events, args.min_gap_us), args.gaps))
+        if args.kernels:
+            print("\n" + kernel_table(events, max(args.steps, 1), args.kernels))
     elif not args.code:
         p.error("give a trace, or --code and --kernel")
     return 0

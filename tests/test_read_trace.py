@@ -59,6 +59,11 @@ def test_report_and_the_command_line(tmp_path, capsys):
     assert "device window 0.15 ms: busy 0.04 ms (28.0%), idle 0.11 ms, of which 0.10 ms waiting for a launch" in out
     assert "0.062 ms   41.3%  replay" in out and "0.045 ms   30.0%  aten::linear" in out
     assert "     60.0  host   graph_a  <- replay" in out and "gemm" in out and "graph_b" not in out  # top 2 gaps
+    assert read_trace.main([str(path), "--kernels", "2", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "kernel time: 0.021 ms a step over 2 step(s); the 2 largest:" in out  # 42 µs of kernels and copies
+    assert "     0.009  42.9%        1.0       9.0  gemm" in out
+    assert "     0.005  23.8%        0.5      10.0  graph_a" in out
     cpu = tmp_path / "cpu.json"
     cpu.write_text(json.dumps({"traceEvents": [op("aten::mm", 0, 5)]}))
     assert read_trace.main([str(cpu)]) == 0
