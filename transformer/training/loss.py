@@ -117,11 +117,8 @@ class _FusedLoss(torch.autograd.Function):
             x_t[rows] = xc.gather(1, t[rows, None]).squeeze(1)
             torch.sub(xc, m, out=c).exp_()  # exp(x - max), in place when xc is the buffer
             lse[rows] = c.sum(dim=-1).log_().add_(m.squeeze(1))
-        # Pad positions are zeroed, not dropped: boolean indexing needs the count of kept rows on the host,
-        # a GPU sync on every call.
         pad = t == pad_id  # (N,)
-        nll = (lse - x_t).masked_fill_(pad, 0.0)  # -log p_target
-        smooth = (V * lse - x_sum).masked_fill_(pad, 0.0)  # sum over all V classes of -log p_c
+        nll, smooth = _row_losses(lse, x_t, x_sum, pad, V)
         ctx.save_for_backward(logits, t, lse, pad)
         ctx.epsilon, ctx.chunk, ctx.inplace = epsilon, chunk, inplace
         return _summed(nll, smooth, epsilon, V)
@@ -130,12 +127,7 @@ class _FusedLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_nll):
         logits, t, lse, pad = ctx.saved_tensors
         V = logits.size(-1)
-        eps, eps_i = ctx.epsilon, ctx.epsilon / (V - 1)
-        keep = (~pad).to(lse.dtype)  # (N,)
-        # The gradient of g_loss * loss + g_nll * nll, per row: a * p_j - b - c [j = target].
-        a = ((grad_loss + grad_nll) * keep)[:, None]
-        b = ((grad_loss * eps_i) * keep)[:, None]
-        c = ((grad_loss * (1.0 - eps - eps_i) + grad_nll) * keep)[:, None]
+        a, b, c = _gradient_weights(grad_loss, grad_nll, (~pad).to(lse.dtype)[:, None], ctx.epsilon, V)
         x = logits.detach().reshape(-1, V)
         grad = x if ctx.inplace else torch.empty_like(x)  # (N, V) in the logits' dtype
         direct = grad.dtype == lse.dtype  # fp32 (fp64) logits: computed in the gradient's own rows
@@ -155,8 +147,8 @@ class _CompiledLoss(torch.autograd.Function):
     """The fused loss's two passes, each one torch.compile'd graph of the whole (N, V) logits (trainer.loss=compiled).
 
     Autograd of the compiled log_softmax form (this class's predecessor) had the compiler save the fp32
-    log-probabilities for the backward pass and build the gradient from a zeroed fp32 (N, V) tensor: on an
-    H200, four vocabulary-sized fp32 passes that took 3.7 ms of base@16k's 30 ms step (docs/performance.md).
+    log-probabilities for the backward pass and build the gradient from a zeroed fp32 (N, V) tensor: on GPUs,
+    four vocabulary-sized fp32 passes (docs/performance.md, "the compiled loss in two graphs").
     Written as the fused loss's formulas instead, the forward graph reads the logits once and keeps three
     numbers a row, and the backward graph reads them once and writes the gradient once, in the logits' dtype
     and, with `inplace`, into their own storage.
@@ -188,9 +180,7 @@ def _rows_forward(x: torch.Tensor, t: torch.Tensor, pad_id: int):
     xf = x.to(torch.promote_types(x.dtype, torch.float32))  # (N, V), fused into the reads: never stored
     m = xf.amax(dim=-1, keepdim=True)  # (N, 1)
     lse = (xf - m).exp().sum(dim=-1).log() + m.squeeze(1)  # (N,)
-    pad = t == pad_id
-    nll = (lse - xf.gather(1, t[:, None]).squeeze(1)).masked_fill(pad, 0.0)
-    smooth = (V * lse - xf.sum(dim=-1)).masked_fill(pad, 0.0)
+    nll, smooth = _row_losses(lse, xf.gather(1, t[:, None]).squeeze(1), xf.sum(dim=-1), t == pad_id, V)
     return lse, nll, smooth
 
 
@@ -199,14 +189,25 @@ def _rows_backward(x: torch.Tensor, t: torch.Tensor, lse: torch.Tensor, grad_los
     """Writes d(g_loss * loss + g_nll * nll) / dx into `out` (N, V), which may be `x` itself:
     a_i * p_ij - b_i - c_i [j = t_i], the fused loss's backward in one pointwise pass."""
     V = x.size(-1)
-    eps_i = epsilon / (V - 1)
-    keep = (t != pad_id).to(lse.dtype)[:, None]  # (N, 1)
-    a = (grad_loss + grad_nll) * keep
-    b = grad_loss * eps_i * keep
-    c = (grad_loss * (1.0 - epsilon - eps_i) + grad_nll) * keep
+    a, b, c = _gradient_weights(grad_loss, grad_nll, (t != pad_id).to(lse.dtype)[:, None], epsilon, V)
     hit = torch.arange(V, device=x.device)[None, :] == t[:, None]  # (N, V), computed in the kernel
     p = (x.to(lse.dtype) - lse[:, None]).exp()
     out.copy_(a * p - b - c * hit)
+
+
+def _row_losses(lse: torch.Tensor, x_t: torch.Tensor, x_sum: torch.Tensor, pad: torch.Tensor, V: int):
+    """Each row's -log p_target and sum over all V classes of -log p_c, zero at pads, from its log-sum-exp,
+    target logit and logit sum (N,). Pads are zeroed, not dropped: boolean indexing needs the count of kept rows
+    on the host, a GPU sync on every call."""
+    return (lse - x_t).masked_fill(pad, 0.0), (V * lse - x_sum).masked_fill(pad, 0.0)
+
+
+def _gradient_weights(grad_loss: torch.Tensor, grad_nll: torch.Tensor, keep: torch.Tensor, epsilon: float, V: int):
+    """The gradient of g_loss * loss + g_nll * nll is, per row i, a_i * p_ij - b_i - c_i [j = target_i]: (a, b, c),
+    each shaped as `keep` (1 for a real target, 0 at pads)."""
+    eps_i = epsilon / (V - 1)
+    return ((grad_loss + grad_nll) * keep, grad_loss * eps_i * keep,
+            (grad_loss * (1.0 - epsilon - eps_i) + grad_nll) * keep)
 
 
 def reference_label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, epsilon: float,
