@@ -61,7 +61,9 @@ SWITCH_SETS = {
     # each step replayed as CUDA graphs: neither padding nor the ladder's rounding, a little filler instead
     "cuda_graphs+unpadded": ("trainer.cuda_graphs=true", "trainer.unpadded_attention=true",
                              "model.attention_dropout=0"),
-    "attn_dropout0": ("model.attention_dropout=0",),  # padded attention without a random mask: what that buys
+    # model=base and big before they took Section 5.4's placement (docs/performance.md, "Dropout of the paper's
+    # models"): P_drop on the attention weights and inside the feed-forward network too; against eager, what it buys
+    "dropout_everywhere": ("model.attention_dropout=null", "model.ffn_dropout=null"),
     "compile": ("trainer.compile=true",),
     # the fastest step measured with compile's lengths rounded up to a multiple of 8, its default until 2026-11-29
     # (waste_pad_multiple 11 %): whether any kernel gains from the rounding, which the default no longer does
@@ -85,8 +87,6 @@ SWITCH_SETS["all+unpadded+no_mix_order"] = (*SWITCH_SETS["all+unpadded"], "env.T
 # compile time on CPUs: docs/performance.md); whether its step is as fast as the whole model's, which may fuse
 # across layers, is what the GPU says.
 SWITCH_SETS["all+unpadded+layers"] = (*SWITCH_SETS["all+unpadded"], "trainer.compile_scope=layers")
-# without the feed-forward network's inner dropout (model.ffn_dropout=0; not in the paper's Section 5.4)
-SWITCH_SETS["all+unpadded+layers+ffn0"] = (*SWITCH_SETS["all+unpadded+layers"], "model.ffn_dropout=0")
 # CUDA graphs capture each new static shape (a few steps' time): more warm-up keeps captures out of the timing.
 SWITCH_SETS = {k: (*v, "bench.warmup=60") if "trainer.cuda_graphs=true" in v else v for k, v in SWITCH_SETS.items()}
 # trainer.micro_batch=fit: the WMT14 recipes' 8-GPU update on one GPU (1 x 8 x 3,300 tokens), as 8 micro-batches
@@ -96,8 +96,9 @@ FIT_SETS = {"acc8": ("trainer.accumulate=8", "trainer.micro_batch=fixed"),
 FIT_SETS = {k: (*v, "bench.steps=30", "bench.repeats=2", "bench.warmup=5") for k, v in FIT_SETS.items()}
 SWITCH_SETS.update(FIT_SETS)
 # What runs, most telling first (past --budget-s the rest is skipped). HEAD, before the GPU test tier: big and
-# base at 16k with the defaults, the baseline each lease measures again (under a minute each). Then the
-# candidates for issue 48's targets: every switch on packed token budgets (no padding, torch's varlen kernel),
+# base at 16k with the defaults, the baseline each lease measures again (under a minute each). Then base with the
+# dropout the paper's models had before (what Section 5.4's placement buys, eager), and the candidates for
+# issue 48's targets: every switch on packed token budgets (no padding, torch's varlen kernel),
 # those budgets graphed alone (since 2026-11-29) and on Multi30k's batches; compile on packed tokens; packed
 # tokens without inductor's mix-order reduction; `all` (every switch on the padded ladder, measured once; over
 # two minutes a run, mostly compiling); then the questions of defaults: the
@@ -111,7 +112,7 @@ FIRST = ("compile+unpadded", "all+unpadded+no_mix_order", "all", "compile+bf16_r
          "compile+bf16_residual+pad8", "fp8", "compile+fp8", "compile", "loss=fused", "cuda_graphs")
 # the whole model's compile against the layers' first, for big, whose whole-model warm-up is the longest
 PAIR = [("big@16k", "all+unpadded"), ("big@16k", "all+unpadded+layers"), ("base@16k", "all+unpadded+layers")]
-PLAN = (HEAD + PAIR + [(w, s) for s in PACKED for w in ("big@16k", "base@16k")]
+PLAN = (HEAD + [("base@16k", "dropout_everywhere")] + PAIR + [(w, s) for s in PACKED for w in ("big@16k", "base@16k")]
         + [("multi30k", s) for s in ("cuda_graphs+unpadded", "cuda_graphs")]
         + [(w, s) for s in FIRST for w in ("big@16k", "base@16k")]
         + [("big@recipe", s) for s in FIT_SETS]

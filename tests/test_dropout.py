@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from tests.helpers.cli import compose_cfg
 from transformer.model.dropout import Dropout, keep_mask
 
 
@@ -212,3 +213,26 @@ def test_ffn_dropout_zero_leaves_the_feed_forward_output_deterministic():
     for rate, same in ((0.0, True), (None, False)):
         ff = next(m for m in _model(ffn_dropout=rate).train().modules() if isinstance(m, FeedForward))
         assert torch.equal(ff(x), ff(x)) == same
+
+
+@pytest.mark.parametrize("overrides,p_drop", [(("model=base",), 0.1), (("model=big",), 0.3),
+                                              (("experiment=wmt14_base",), 0.1), (("experiment=wmt14_big",), 0.3)])
+def test_the_papers_models_drop_where_section_5_4_says(overrides, p_drop):
+    """model=base and big (and the WMT14 recipes built on them): P_drop on the sublayer outputs and embedding sums
+    only, none on the attention weights or inside the feed-forward network (tensor2tensor's transformer_base_v1)."""
+    from transformer.model.layers import FeedForward
+
+    cfg = compose_cfg(*overrides, "model.N=1", "model.d_model=16", "model.d_ff=32", "model.h=2")
+    model = _model(**{k: cfg.model[k] for k in ("dropout", "attention_dropout", "ffn_dropout")})
+    ffn = {m.dropout.p for m in model.modules() if isinstance(m, FeedForward)}
+    assert _rates(model)[0] == {0.0} and ffn == {0.0}
+    assert {m.p for m in model.modules() if isinstance(m, Dropout)} == {0.0, p_drop}  # the FFN's own at 0 too
+    assert cfg.model.dropout == p_drop
+
+
+def test_the_small_recipes_keep_p_drop_everywhere():
+    """model=small and tiny (and experiment=multi30k on small) keep null: P_drop on the attention weights and in
+    the feed-forward network too, as their recipes were measured with (docs/multi30k.md)."""
+    for overrides in (("model=small",), ("model=tiny",), ("experiment=multi30k",)):
+        cfg = compose_cfg(*overrides)
+        assert (cfg.model.attention_dropout, cfg.model.ffn_dropout) == (None, None), overrides

@@ -135,6 +135,22 @@ def test_model_mismatch_is_refused(tmp_path):
         other.load_state_dict(state, "ck.pt")
 
 
+def test_resume_under_other_dropout_rates_names_the_overrides_that_restore_them(tmp_path):
+    """A run begun when model=base's attention and feed-forward dropout were null (model.dropout) is refused under
+    today's 0.0, with the overrides that resume it as it was trained; a change of weights gets no such hint."""
+    t = make_trainer(tmp_path, "model.attention_dropout=null", "model.ffn_dropout=0.2")
+    state = copy.deepcopy(t.state_dict())
+    other = make_trainer(tmp_path / "x", "model.attention_dropout=0", "model.ffn_dropout=0")
+    with pytest.raises(CheckpointError, match=r"holds another model .*; to resume it as it was trained, add "
+                                              r"model.attention_dropout=null model.ffn_dropout=0.2$"):
+        other.load_state_dict(state, "ck.pt")
+    again = make_trainer(tmp_path / "y", "model.attention_dropout=null", "model.ffn_dropout=0.2")
+    again.load_state_dict(state, "ck.pt")
+    with pytest.raises(CheckpointError, match=r"holds another model \(checkpoint vs config: \{'d_ff'[^;]*$"):
+        make_trainer(tmp_path / "z", "model.attention_dropout=null", "model.ffn_dropout=0.2",
+                     "model.d_ff=128").load_state_dict(state, "ck.pt")
+
+
 def test_progress_total_counts_optimizer_steps_of_max_epochs(tmp_path):
     """The bar's ETA needs a total: max_steps, or ceil(batches / accumulate) * max_epochs, whichever comes first."""
     t = make_trainer(tmp_path, "trainer.max_epochs=3", "trainer.max_steps=null", "trainer.accumulate=2")

@@ -35,13 +35,13 @@ class ModelConfig:
     d_ff: int = 2048  # inner width of the position-wise feed-forward network (Section 3.3)
     h: int = 8  # attention heads; d_k = d_v = d_model / h
     dropout: float = 0.1  # P_drop
-    # Dropout on the attention weights; null: model.dropout (as before). Section 5.4 drops sublayer outputs and
-    # embeddings only (tensor2tensor and the Annotated Transformer add this one). At 0, attention needs no random
-    # mask, and trainer.unpadded_attention runs torch's varlen kernel (no dropout) without the flash-attn package.
+    # Dropout on the attention weights; null: model.dropout (as before the key). Section 5.4 drops sublayer outputs
+    # and embeddings only, so model=base and big set 0 (tensor2tensor's v2 and the Annotated Transformer add this
+    # one). At 0, attention needs no random mask, and trainer.unpadded_attention runs torch's varlen kernel.
     attention_dropout: Optional[float] = None
-    # Dropout inside the feed-forward network, after the activation; null: model.dropout (as before). Section 5.4
-    # has none there either (tensor2tensor's relu_dropout, the Annotated Transformer's): at 0, one kernel less
-    # forward and backward per layer (docs/performance.md, "GPU: H200, 2026-11-29").
+    # Dropout inside the feed-forward network, after the activation; null: model.dropout (as before the key).
+    # Section 5.4 has none there either, so model=base and big set 0 (tensor2tensor's v2 relu_dropout, the
+    # Annotated Transformer's): at 0, one kernel less forward and backward per layer (docs/performance.md).
     ffn_dropout: Optional[float] = None
     norm_first: bool = False  # False: post-norm as in the paper; True: pre-norm (Annotated Transformer)
     tie_embeddings: str = "decoder"  # none | decoder | all (all needs one shared vocabulary)

@@ -25,6 +25,7 @@ from transformer.training.checkpoint import (
 from transformer.training.ema import EMA
 from transformer.training.graphs import GraphStep
 from transformer.training.hotpath import LaggedFlag, LoopKeys, StepResult, StepTimer, TrainWindow
+from transformer.training.init_from import FREE_AT_INIT
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.nonfinite import Diverged, NonfiniteGuard, check_weights, diverged_line
 from transformer.training.optim import build_optimizer, fall_steps, load_optimizer_state
@@ -160,7 +161,10 @@ class Trainer:
         theirs = {k: v for k, v in ckpt["model_args"].items() if k not in free}
         if theirs != mine:
             diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
-            raise CheckpointError(f"{path} holds another model (checkpoint vs config: {diff})")
+            # rates alone (model=base and big once had other defaults): the command line gives them back
+            rates = " ".join(f"model.{k}={'null' if old is None else old}" for k, (old, _) in diff.items())
+            hint = f"; to resume it as it was trained, add {rates}" if set(diff) <= set(FREE_AT_INIT) else ""
+            raise CheckpointError(f"{path} holds another model (checkpoint vs config: {diff}){hint}")
         self.model.load_state_dict(ckpt["model"])
 
     # ---- training ----------------------------------------------------------------------------------
