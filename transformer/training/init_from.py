@@ -67,7 +67,7 @@ def prepare_init_from(cfg) -> Optional[InitFrom]:
     return init
 
 
-def _value(v) -> str:
+def override_value(v) -> str:
     """A value as a command-line override spells it."""
     return str(v).lower() if isinstance(v, bool) else "null" if v is None else str(v)
 
@@ -89,8 +89,8 @@ def check_model(cfg, init: InitFrom) -> None:
     keys = [f.name for f in fields(ModelConfig) if f.name not in FREE_AT_INIT]
     wrong = [k for k in keys if getattr(saved, k, None) != getattr(mine, k, None)]
     if wrong:
-        fix = " ".join(f"model.{k}={_value(getattr(saved, k))}" for k in wrong)
-        have = ", ".join(f"model.{k}={_value(getattr(mine, k))}" for k in wrong)
+        fix = " ".join(f"model.{k}={override_value(getattr(saved, k))}" for k in wrong)
+        have = ", ".join(f"model.{k}={override_value(getattr(mine, k))}" for k in wrong)
         raise ConfigError(f"trainer.init_from={init.path} holds a model this config does not build: set {fix} "
                           f"(this config has {have})")
 

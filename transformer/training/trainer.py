@@ -25,7 +25,7 @@ from transformer.training.checkpoint import (
 from transformer.training.ema import EMA
 from transformer.training.graphs import GraphStep
 from transformer.training.hotpath import LaggedFlag, LoopKeys, StepResult, StepTimer, TrainWindow
-from transformer.training.init_from import FREE_AT_INIT
+from transformer.training.init_from import FREE_AT_INIT, override_value
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.nonfinite import Diverged, NonfiniteGuard, check_weights, diverged_line
 from transformer.training.optim import build_optimizer, fall_steps, load_optimizer_state
@@ -162,7 +162,7 @@ class Trainer:
         if theirs != mine:
             diff = {k: (theirs.get(k), v) for k, v in mine.items() if theirs.get(k) != v}
             # rates alone (model=base and big once had other defaults): the command line gives them back
-            rates = " ".join(f"model.{k}={'null' if old is None else old}" for k, (old, _) in diff.items())
+            rates = " ".join(f"model.{k}={override_value(old)}" for k, (old, _) in diff.items())
             hint = f"; to resume it as it was trained, add {rates}" if set(diff) <= set(FREE_AT_INIT) else ""
             raise CheckpointError(f"{path} holds another model (checkpoint vs config: {diff}){hint}")
         self.model.load_state_dict(ckpt["model"])
