@@ -8,7 +8,7 @@ Uses the interpreter it runs under: a machine's own CUDA torch, with this packag
 repository (no install, no download).
 
     python benchmarks/bench_gpu.py --out outputs/bench-gpu.jsonl [--skip-tests | --tests-only] [--only big]
-        [--sets all+unpadded,cuda_graphs+unpadded] [--budget-s 450]
+        [--sets all+unpadded,cuda_graphs+unpadded] [--budget-s 450] [--tier-workers 4]
         [--switch name=key=value,key=value ...] [--decode-checkpoint RUN/checkpoints/best.pt]
     python benchmarks/bench_gpu.py --dry-run --out /tmp/dry.jsonl   # the plumbing on a CPU, everything shrunk
 
@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -143,6 +144,52 @@ DRY = ("model=tiny", "model.N=1", "bench.sentences=300", "bench.vocab_size=300",
        "trainer.accelerator=cpu", "trainer.precision=fp32")
 
 
+def run_group(cmd, timeout: float, **kw) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kw), with the command leading a process
+    group that a timeout or Ctrl-C kills whole: pytest-xdist's workers, loader workers and inductor's compile
+    workers would otherwise keep the GPU busy through the runs after it. A group, not a session: the device tool
+    ends what a call leaves running by session, and a process in a new one would outlive the call."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=os.setpgrp,
+                          **kw) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_group(proc.pid)
+            try:  # what it printed before; a child outside the group that holds the pipes cannot stall us
+                out, err = proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                out, err = "", ""
+            raise subprocess.TimeoutExpired(cmd, timeout, output=out, stderr=err) from None
+        except BaseException:
+            kill_group(proc.pid)
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def tier_workers() -> int:
+    """pytest-xdist processes for the GPU tier: a lent machine (16 cores, one GPU of 139 GiB, xdist installed)
+    runs four of the tier's small tests at a time; serial where xdist is missing or cores are few."""
+    if importlib.util.find_spec("xdist") is None:
+        return 1
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def tier_command(files: list, timeout: float, workers: int) -> list:
+    """pytest over `files` for the gpu marker; with pytest-timeout (the lent machines have it) no single test may
+    take more than a third of the tier; with workers > 1, pytest-xdist hands tests out in the files' order."""
+    per_test = ["--timeout", str(int(max(60.0, timeout / 3)))] if importlib.util.find_spec("pytest_timeout") else []
+    parallel = ["-n", str(workers)] if workers > 1 else []
+    return [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs", *per_test,
+            *parallel, *files]
+
+
 def env() -> dict:
     e = dict(os.environ)
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
@@ -202,20 +249,19 @@ def missing_keys(overrides, keys: set) -> list:
             if "=" in o and "." in o.split("=", 1)[0] and o.split("=", 1)[0] not in keys]
 
 
-def run_tests(out: Path, log: Path, timeout: float, dry: bool) -> int:
-    """The GPU tier, newest GPU code first. Each test's outcome is written as it ends (tests/conftest.py's
-    TRANSFORMER_TEST_LOG), so a tier cut short by `timeout` still reports what passed, what failed and why; with
-    pytest-timeout (the lent machines have it) no single test may take more than a third of the tier."""
+def run_tests(out: Path, log: Path, timeout: float, dry: bool, workers: Optional[int] = None) -> int:
+    """The GPU tier, newest GPU code first, `workers` tests at a time (tier_workers() by default). Each test's
+    outcome is written as it ends (tests/conftest.py's TRANSFORMER_TEST_LOG), so a tier cut short by `timeout`
+    still reports what passed, what failed and why."""
     t0 = time.time()
     files = [f"tests/{name}" for name in TIER_FIRST if (REPO / "tests" / name).is_file()]
     files += sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").glob("test_*.py") if f.name not in TIER_FIRST)
-    per_test = ["--timeout", str(int(max(60.0, timeout / 3)))] if importlib.util.find_spec("pytest_timeout") else []
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs", *per_test, *files]
+    workers = tier_workers() if workers is None else workers
+    cmd = tier_command(files, timeout, workers)
     report = out.with_suffix(".tests.jsonl")
     report.unlink(missing_ok=True)
     try:
-        res = subprocess.run(cmd, cwd=REPO, env={**env(), "TRANSFORMER_TEST_LOG": str(report)}, capture_output=True,
-                             text=True, timeout=timeout)
+        res = run_group(cmd, cwd=REPO, env={**env(), "TRANSFORMER_TEST_LOG": str(report)}, timeout=timeout)
         code, text = res.returncode, res.stdout + res.stderr
     except subprocess.TimeoutExpired as e:
         code, text = 124, f"{e.stdout or ''}\ntimed out after {timeout:.0f} s"
@@ -228,12 +274,12 @@ def run_tests(out: Path, log: Path, timeout: float, dry: bool) -> int:
     with open(log, "a") as f:
         f.write(f"--- pytest -m gpu\n{text}\n")
         f.writelines(f"--- FAILED {r['test']}\n{r['error']}\n" for r in failed)
-    print(f"gpu tier: {summary} ({time.time() - t0:.0f} s)", flush=True)
+    print(f"gpu tier: {summary} ({time.time() - t0:.0f} s, {workers} at a time)", flush=True)
     for r in failed:
         print(f"  FAILED {r['test']}: {r['error'].strip().splitlines()[-1][:300]}", flush=True)
     # No CUDA here (a dry run): the tier skips every test, pytest's code 5 when all are deselected or skipped.
     append(out, {"kind": "gpu_tests", "returncode": code, "summary": summary, "seconds": round(time.time() - t0, 1),
-                 "tests": results, "dry_run": dry})
+                 "workers": workers, "tests": results, "dry_run": dry})
     return code
 
 
@@ -264,8 +310,8 @@ def run_bench(workload: str, switches: str, overrides: list, out: Path, log: Pat
         code = kept_files(out, workload, switches)["code"]
         run_env.update(TORCH_LOGS="output_code", TORCH_LOGS_OUT=str(code))
     try:
-        res = subprocess.run([sys.executable, "-m", "transformer.cli.bench", *overrides], cwd=REPO, env=run_env,
-                             capture_output=True, text=True, timeout=timeout)
+        res = run_group([sys.executable, "-m", "transformer.cli.bench", *overrides], cwd=REPO, env=run_env,
+                        timeout=timeout)
     except subprocess.TimeoutExpired:
         gzipped(code)
         print(f"    timed out after {timeout:.0f} s", flush=True)
@@ -368,6 +414,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=450.0, help="stop starting runs after this many seconds")
     p.add_argument("--run-timeout-s", type=float, default=240.0,
                    help="the longest one run may take (compile and CUDA graph captures included)")
+    p.add_argument("--tier-workers", type=int, help="GPU tests at a time (pytest-xdist); default: 4 on a machine "
+                   "of 16 cores with xdist, else 1")
     p.add_argument("--switch", action="append", help="an extra switch set, name=key=value,key=value (16k runs)")
     p.add_argument("--decode-checkpoint", type=Path, help="time decoding with this trained checkpoint")
     p.add_argument("--dry-run", action="store_true", help="on a CPU, everything shrunk: tests the plumbing")
@@ -389,7 +437,7 @@ def main(argv=None) -> int:
     append(args.out, header)
     os.environ["BENCH_COMMIT"] = header["commit"]  # transformer-bench's records name it too (no .git on a copy)
     if args.tests_only:  # a second call of a lease: the tier alone
-        code = run_tests(args.out, log, timeout=args.budget_s, dry=args.dry_run)
+        code = run_tests(args.out, log, timeout=args.budget_s, dry=args.dry_run, workers=args.tier_workers)
         return 0 if args.dry_run and code == 5 else code
     todo, skipped = plan(args, config_keys())
     records = []
@@ -419,7 +467,7 @@ def main(argv=None) -> int:
     if not args.skip_tests:  # the tier gets what is left of half the budget, at least 150 s
         left = args.budget_s - (time.time() - start)
         code = run_tests(args.out, log, timeout=max(150.0, min(240.0, args.budget_s / 2, left - 30)),
-                         dry=args.dry_run)
+                         dry=args.dry_run, workers=args.tier_workers)
         code = 0 if args.dry_run and code == 5 else code
     run_all([entry for entry in todo if entry not in head])
     multi30k = Path(os.environ.get("MULTI30K_DIR") or REPO.parent / "shared" / "data" / "multi30k")

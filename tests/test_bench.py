@@ -3,6 +3,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -457,7 +458,7 @@ def test_bench_gpu_keeps_the_compiled_code_of_a_traced_compiled_run(tmp_path, mo
             Path(env["TORCH_LOGS_OUT"]).write_text("def triton_per_fused_native_layer_norm_0(...): ...")
         return subprocess.CompletedProcess(cmd, 0, json.dumps({"tgt_tokens_per_s": 1.0, "mfu": None}), "")
 
-    monkeypatch.setattr(bench_gpu.subprocess, "run", fake)
+    monkeypatch.setattr(bench_gpu, "run_group", fake)
     trace = f"bench.trace={bench_gpu.kept_files(out, 'base@16k', 'all')['trace']}"
     r = bench_gpu.run_bench("base@16k", "all", ["trainer.compile=true", trace], out, tmp_path / "b.log", 60)
     assert seen[-1] == {"TORCH_LOGS": "output_code", "TORCH_LOGS_OUT": str(tmp_path / "b.base-16k-all.inductor.txt")}
@@ -469,24 +470,75 @@ def test_bench_gpu_keeps_the_compiled_code_of_a_traced_compiled_run(tmp_path, mo
         assert seen[-1] == {"TORCH_LOGS": None, "TORCH_LOGS_OUT": None}
 
 
-def test_each_test_reports_its_outcome_as_it_ends(tmp_path):
-    """tests/helpers/report.py: a line per test, a failure with its message, a skip with its setup's report."""
-    (tmp_path / "test_three.py").write_text(
-        "import pytest\n"
+@pytest.mark.parametrize("workers", [1, 2])
+def test_each_test_reports_its_outcome_as_it_ends(tmp_path, workers):
+    """tests/helpers/report.py: one line per test, a failure with its message, a skip with its setup's report;
+    under pytest-xdist (the GPU tier on a lent machine) still one line per test, a crashed worker's test too."""
+    (tmp_path / "test_four.py").write_text(
+        "import os, pytest\n"
         "def test_ok(): pass\n"
         "def test_bad(): assert 1 + 1 == 3, 'arithmetic broke'\n"
         "@pytest.mark.skip(reason='not here')\n"
-        "def test_skipped(): pass\n")
+        "def test_skipped(): pass\n"
+        "@pytest.mark.skipif(not os.environ.get('PYTEST_XDIST_WORKER'), reason='kills the run without xdist')\n"
+        "def test_crash(): os._exit(3)\n")
     log = tmp_path / "tests.jsonl"
     res = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.helpers.report", "-q", "-p", "no:cacheprovider",
-                          str(tmp_path / "test_three.py")], cwd=Path(__file__).resolve().parents[1],
+                          *(["-n", str(workers)] if workers > 1 else []), str(tmp_path / "test_four.py")],
+                         cwd=Path(__file__).resolve().parents[1],
                          env={**cli_env(), "TRANSFORMER_TEST_LOG": str(log)}, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 1, res.stdout + res.stderr
-    lines = {r["test"].rsplit("::", 1)[-1]: r for r in map(json.loads, log.read_text().splitlines())}
-    assert {k: v["outcome"] for k, v in lines.items()} == {"test_ok": "passed", "test_bad": "failed",
-                                                          "test_skipped": "skipped"}
+    records = [json.loads(x) for x in log.read_text().splitlines()]
+    lines = {r["test"].rsplit("::", 1)[-1]: r for r in records}
+    assert len(lines) == len(records)  # once each, not once a process
+    assert {k: v["outcome"] for k, v in lines.items()} == {
+        "test_ok": "passed", "test_bad": "failed", "test_skipped": "skipped",
+        "test_crash": "failed" if workers > 1 else "skipped"}
     assert "arithmetic broke" in lines["test_bad"]["error"] and "error" not in lines["test_ok"]
+    if workers > 1:
+        assert "crashed" in lines["test_crash"]["error"]
+
+
+def test_bench_gpu_tier_runs_tests_in_parallel_only_where_xdist_and_cores_allow(monkeypatch):
+    """Four tests at a time on a 16-core machine with pytest-xdist; serial on a small machine or without xdist."""
+    bench_gpu = load_benchmark("bench_gpu")
+    for cores, xdist, expect in ((16, True, 4), (64, True, 4), (8, True, 2), (2, True, 1), (16, False, 1)):
+        monkeypatch.setattr(bench_gpu.os, "cpu_count", lambda c=cores: c)
+        monkeypatch.setattr(bench_gpu.importlib.util, "find_spec",
+                            lambda name, x=xdist: object() if name != "xdist" or x else None)
+        assert bench_gpu.tier_workers() == expect, (cores, xdist)
+    cmd = bench_gpu.tier_command(["tests/test_a.py", "tests/test_b.py"], 300, 4)
+    assert cmd[cmd.index("-n") + 1] == "4" and cmd[-2:] == ["tests/test_a.py", "tests/test_b.py"]
+    assert cmd[cmd.index("--timeout") + 1] == "100"
+    assert "-n" not in bench_gpu.tier_command(["tests/test_a.py"], 300, 1)
+
+
+def test_bench_gpu_timeout_kills_the_runs_children_too(tmp_path):
+    """A run cut at its timeout takes its process group with it: a child it started (a loader or xdist worker)
+    does not go on using the GPU through the next run."""
+    bench_gpu = load_benchmark("bench_gpu")
+    script = ("import subprocess, sys, time\n"
+              "child = subprocess.Popen(['sleep', '60'])\n"
+              "print(child.pid, flush=True)\n"
+              "time.sleep(60)\n")
+    t0 = time.time()
+    with pytest.raises(subprocess.TimeoutExpired) as e:
+        bench_gpu.run_group([sys.executable, "-c", script], timeout=3, cwd=tmp_path)
+    assert time.time() - t0 < 20
+    child = int(e.value.output.split()[0])  # what the run printed before its end comes back
+
+    def alive(pid: int) -> bool:  # a zombie waiting for its reaper counts as gone
+        try:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.time() + 10
+    while alive(child) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)
+    res = bench_gpu.run_group([sys.executable, "-c", "print('ok')"], timeout=30)
+    assert (res.returncode, res.stdout) == (0, "ok\n")
 
 
 def test_bench_gpu_gives_no_run_more_than_its_cap(tmp_path, monkeypatch):
@@ -521,7 +573,7 @@ def test_bench_gpu_env_switches_set_the_runs_environment(tmp_path, monkeypatch):
     def fake(cmd, env, **kw):
         seen.append((cmd, env.get("TORCHINDUCTOR_MIX_ORDER_REDUCTION")))
         return subprocess.CompletedProcess(cmd, 0, json.dumps({"tgt_tokens_per_s": 1.0, "mfu": None}), "")
-    monkeypatch.setattr(bench_gpu.subprocess, "run", fake)
+    monkeypatch.setattr(bench_gpu, "run_group", fake)
     r = bench_gpu.run_bench("base@16k", "x", ["model=base", "env.TORCHINDUCTOR_MIX_ORDER_REDUCTION=0"],
                             tmp_path / "b.jsonl", tmp_path / "b.log", 60)
     cmd, value = seen[-1]
@@ -543,7 +595,7 @@ def test_bench_gpu_tier_cut_short_still_names_its_failures(tmp_path, monkeypatch
                                 "error": "Traceback\nRuntimeError: mat1 dims not divisible by 16"}) + "\n")
         raise subprocess.TimeoutExpired(cmd, timeout, output="..F")
 
-    monkeypatch.setattr(bench_gpu.subprocess, "run", tier)
+    monkeypatch.setattr(bench_gpu, "run_group", tier)
     assert bench_gpu.run_tests(out, tmp_path / "b.log", timeout=10, dry=False) == 124
     printed = capsys.readouterr().out
     assert "gpu tier: 1 failed, 1 passed; timed out after 10 s" in printed

@@ -6,9 +6,11 @@ import os
 
 
 def pytest_runtest_logreport(report):
-    """A test's line, at its end: its call's report, or its setup's or teardown's where that failed or skipped."""
+    """A test's line, at its end: its call's report, or its setup's or teardown's where that failed or skipped.
+    Under pytest-xdist the controller writes every worker's reports, a crashed worker's too; the workers do not."""
     path = os.environ.get("TRANSFORMER_TEST_LOG")
-    if not path or not (report.when == "call" or report.failed or report.skipped):
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not (report.when == "call" or report.failed or
+                                                                 report.skipped):
         return
     line = {"test": report.nodeid, "outcome": report.outcome, "when": report.when,
             "seconds": round(report.duration, 1)}
