@@ -182,9 +182,12 @@ def tier_workers() -> int:
 
 
 def tier_command(files: list, timeout: float, workers: int) -> list:
-    """pytest over `files` for the gpu marker; with pytest-timeout (the lent machines have it) no single test may
-    take more than a third of the tier; with workers > 1, pytest-xdist hands tests out in the files' order."""
-    per_test = ["--timeout", str(int(max(60.0, timeout / 3)))] if importlib.util.find_spec("pytest_timeout") else []
+    """pytest over `files` for the gpu marker; with workers > 1, pytest-xdist hands tests out in the files' order.
+    With pytest-timeout (the lent machines have it) no single test may take more than a third of the tier, or half
+    of it when others run beside it (then a slow one holds up one worker only, and runs slower for the sharing)."""
+    share = 3 if workers <= 1 else 2
+    per_test = ["--timeout", str(int(max(60.0, timeout / share)))] if importlib.util.find_spec("pytest_timeout") \
+        else []
     parallel = ["-n", str(workers)] if workers > 1 else []
     return [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs", *per_test,
             *parallel, *files]

@@ -510,8 +510,9 @@ def test_bench_gpu_tier_runs_tests_in_parallel_only_where_xdist_and_cores_allow(
         assert bench_gpu.tier_workers() == expect, (cores, xdist)
     cmd = bench_gpu.tier_command(["tests/test_a.py", "tests/test_b.py"], 300, 4)
     assert cmd[cmd.index("-n") + 1] == "4" and cmd[-2:] == ["tests/test_a.py", "tests/test_b.py"]
-    assert cmd[cmd.index("--timeout") + 1] == "100"
-    assert "-n" not in bench_gpu.tier_command(["tests/test_a.py"], 300, 1)
+    assert cmd[cmd.index("--timeout") + 1] == "150"  # half the tier when four share it
+    serial = bench_gpu.tier_command(["tests/test_a.py"], 300, 1)
+    assert "-n" not in serial and serial[serial.index("--timeout") + 1] == "100"  # a third alone
 
 
 def test_bench_gpu_timeout_kills_the_runs_children_too(tmp_path):
