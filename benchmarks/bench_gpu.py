@@ -8,7 +8,7 @@ Uses the interpreter it runs under: a machine's own CUDA torch, with this packag
 repository (no install, no download).
 
     python benchmarks/bench_gpu.py --out outputs/bench-gpu.jsonl [--skip-tests | --tests-only] [--only big]
-        [--sets all+unpadded,cuda_graphs+unpadded] [--budget-s 450] [--tier-workers 4]
+        [--sets all+unpadded,cuda_graphs+unpadded] [--budget-s 450] [--tier-workers 4] [--start-at big@16k:all]
         [--switch name=key=value,key=value ...] [--decode-checkpoint RUN/checkpoints/best.pt]
     python benchmarks/bench_gpu.py --dry-run --out /tmp/dry.jsonl   # the plumbing on a CPU, everything shrunk
 
@@ -417,6 +417,9 @@ def main(argv=None) -> int:
     p.add_argument("--budget-s", type=float, default=450.0, help="stop starting runs after this many seconds")
     p.add_argument("--run-timeout-s", type=float, default=240.0,
                    help="the longest one run may take (compile and CUDA graph captures included)")
+    p.add_argument("--start-at", metavar="WORKLOAD:SET",
+                   help="begin PLAN at this run, without HEAD's runs and the loss benchmark before it: a further "
+                        "call of a lease goes on where the last stopped (its last line names the run)")
     p.add_argument("--tier-workers", type=int, help="GPU tests at a time (pytest-xdist); default: 4 on a machine "
                    "of 16 cores with xdist, else 1")
     p.add_argument("--switch", action="append", help="an extra switch set, name=key=value,key=value (16k runs)")
@@ -426,6 +429,13 @@ def main(argv=None) -> int:
     unknown = [n for n in args.sets or [] if n not in switch_sets(args)]
     if unknown:
         p.error(f"--sets: no switch set named {', '.join(unknown)} (SWITCH_SETS or a --switch)")
+    todo, skipped = plan(args, config_keys()) if not args.tests_only else ([], [])
+    if args.start_at:
+        names = [f"{w}:{n}" for w, n, _ in todo]
+        if args.start_at not in names:
+            p.error(f"--start-at: {args.start_at} is not a run of this call's plan (WORKLOAD:SET, as the last call's "
+                    f"'to go on' line names it; the plan begins {', '.join(names[:3])}, ...)")
+        todo = todo[names.index(args.start_at):]
     import torch
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -442,7 +452,6 @@ def main(argv=None) -> int:
     if args.tests_only:  # a second call of a lease: the tier alone
         code = run_tests(args.out, log, timeout=args.budget_s, dry=args.dry_run, workers=args.tier_workers)
         return 0 if args.dry_run and code == 5 else code
-    todo, skipped = plan(args, config_keys())
     records = []
 
     def run_all(entries) -> None:
@@ -465,7 +474,7 @@ def main(argv=None) -> int:
 
     head = [entry for entry in todo if (entry[0], entry[1]) in HEAD]
     run_all(head)
-    loss_text = run_loss(args.out, log, dry=args.dry_run)
+    loss_text = run_loss(args.out, log, dry=args.dry_run) if not args.start_at else ""
     code = 0
     if not args.skip_tests:  # the tier gets what is left of half the budget, at least 150 s
         left = args.budget_s - (time.time() - start)
@@ -481,6 +490,11 @@ def main(argv=None) -> int:
     else:
         print(f"decoding: skipped (no Multi30k in {multi30k}, set MULTI30K_DIR, or no time left)")
     summary = markdown(header, records, skipped, loss_text=loss_text)
+    left_out = [x for x in skipped if x["why"].startswith(("over the time budget", "failed or cut"))]
+    if left_out:  # the first run the budget cut or left out, for a further call of the same lease
+        go_on = f"{left_out[0]['workload']}:{left_out[0]['switches']}"
+        summary += f"\n\nTo go on: `--skip-tests --start-at {go_on}` ({len(left_out)} runs left)."
+        append(args.out, {"kind": "go_on", "start_at": go_on, "runs_left": len(left_out)})
     args.out.with_suffix(".md").write_text(summary + "\n")
     print("\n" + summary)
     print(f"\nresults: {args.out}, {args.out.with_suffix('.md')}, log {log} ({time.time() - start:.0f} s)")

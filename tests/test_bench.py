@@ -562,6 +562,39 @@ def test_bench_gpu_gives_no_run_more_than_its_cap(tmp_path, monkeypatch):
     assert "cut at the budget's end" in (tmp_path / "c.md").read_text()
 
 
+def test_bench_gpu_goes_on_where_the_last_call_stopped(tmp_path, monkeypatch, capsys):
+    """A call whose budget ends names the first run it left out; a further call given it (--start-at) begins there,
+    without HEAD's runs or the loss benchmark again; a run not in the plan is refused in one line."""
+    import types
+
+    bench_gpu = load_benchmark("bench_gpu")
+    clock, ran, losses = [1000.0], [], []
+
+    def run(w, n, o, out, log, timeout):  # each run takes 40 s of the fake clock and "fails" under its cap
+        ran.append(f"{w}:{n}")
+        clock[0] += 40
+
+    monkeypatch.setattr(bench_gpu, "time", types.SimpleNamespace(time=lambda: clock[0], strftime=time.strftime))
+    monkeypatch.setattr(bench_gpu, "run_bench", run)
+    monkeypatch.setattr(bench_gpu, "run_loss", lambda out, log, dry: losses.append(1) or "")
+    common = ["--dry-run", "--skip-tests", "--only", "base", "--run-timeout-s", "20"]
+    assert bench_gpu.main([*common, "--budget-s", "100", "--out", str(tmp_path / "a.jsonl")]) == 0
+    args = types.SimpleNamespace(only="base", sets=None, switch=None, dry_run=True, out=tmp_path / "a.jsonl")
+    plan = [f"{w}:{n}" for w, n, _ in bench_gpu.plan(args, bench_gpu.config_keys())[0]]
+    assert ran == plan[:2] and len(losses) == 1  # 100 s: two runs of 40, then under 30 s left
+    go_on = [json.loads(x) for x in (tmp_path / "a.jsonl").read_text().splitlines()][-1]
+    assert go_on == {"kind": "go_on", "start_at": plan[2], "runs_left": len(plan) - 2}
+    assert f"--start-at {plan[2]}" in capsys.readouterr().out
+    ran.clear()
+    again = ["--budget-s", "100", "--start-at", plan[2], "--out", str(tmp_path / "b.jsonl")]
+    assert bench_gpu.main([*common, *again]) == 0
+    assert ran == plan[2:4] and len(losses) == 1
+    with pytest.raises(SystemExit) as e:
+        bench_gpu.main([*common, "--start-at", "base@16k:nope", "--out", str(tmp_path / "c.jsonl")])
+    assert e.value.code == 2 and "--start-at: base@16k:nope is not a run" in capsys.readouterr().err
+    assert not (tmp_path / "c.jsonl").exists()  # refused before anything is written
+
+
 def test_bench_gpu_env_switches_set_the_runs_environment(tmp_path, monkeypatch):
     """A switch set's env.NAME=VALUE entries reach the run's environment, not its config overrides, and are
     never taken for config keys this checkout lacks; the record keeps them."""
