@@ -419,7 +419,7 @@ def main(argv=None) -> int:
                    help="the longest one run may take (compile and CUDA graph captures included)")
     p.add_argument("--start-at", metavar="WORKLOAD:SET",
                    help="begin PLAN at this run, without HEAD's runs and the loss benchmark before it: a further "
-                        "call of a lease goes on where the last stopped (its last line names the run)")
+                        "call of a lease goes on where the last stopped (its summary's 'To go on' line names the run)")
     p.add_argument("--tier-workers", type=int, help="GPU tests at a time (pytest-xdist); default: 4 on a machine "
                    "of 16 cores with xdist, else 1")
     p.add_argument("--switch", action="append", help="an extra switch set, name=key=value,key=value (16k runs)")
