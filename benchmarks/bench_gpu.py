@@ -343,8 +343,8 @@ def run_loss(out: Path, log: Path, dry: bool) -> str:
         ["--rows", "16384", "--vocab", "32000", "--d-model", "1024", "--dtype", "bf16", "--repeats", "10"]
     t0 = time.time()
     try:
-        res = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_loss.py"), *size], cwd=REPO,
-                             env=env(), capture_output=True, text=True, timeout=120)
+        res = run_group([sys.executable, str(REPO / "benchmarks" / "bench_loss.py"), *size], cwd=REPO, env=env(),
+                        timeout=120)
         code, text = res.returncode, res.stdout if res.returncode == 0 else res.stdout + res.stderr[-2000:]
     except subprocess.TimeoutExpired:
         code, text = 124, "bench_loss.py timed out after 120 s"
@@ -452,13 +452,14 @@ def main(argv=None) -> int:
     if args.tests_only:  # a second call of a lease: the tier alone
         code = run_tests(args.out, log, timeout=args.budget_s, dry=args.dry_run, workers=args.tier_workers)
         return 0 if args.dry_run and code == 5 else code
-    records = []
+    records, left_out = [], []  # left_out: runs the budget cut or never started, for a further call
 
     def run_all(entries) -> None:
         for i, (workload, name, overrides) in enumerate(entries):
             left = args.budget_s - (time.time() - start)
             if left < 30:
                 for w, n, _ in entries[i:]:
+                    left_out.append(f"{w}:{n}")
                     skipped.append({"workload": w, "switches": n, "why": "over the time budget"})
                     append(args.out, {"kind": "bench", "workload": w, "switches": n,
                                       "skipped": "over the time budget"})
@@ -467,9 +468,11 @@ def main(argv=None) -> int:
             r = run_bench(workload, name, overrides, args.out, log, timeout=timeout)
             if r is not None:
                 records.append(r)
+            elif timeout == args.run_timeout_s:
+                skipped.append({"workload": workload, "switches": name, "why": "failed (see the log)"})
             else:  # a run the budget's end cut short need not have failed: say so
-                why = "failed (see the log)" if timeout == args.run_timeout_s else \
-                    f"failed or cut at the budget's end ({timeout:.0f} s; see the log)"
+                left_out.append(f"{workload}:{name}")
+                why = f"failed or cut at the budget's end ({timeout:.0f} s; see the log)"
                 skipped.append({"workload": workload, "switches": name, "why": why})
 
     head = [entry for entry in todo if (entry[0], entry[1]) in HEAD]
@@ -490,11 +493,9 @@ def main(argv=None) -> int:
     else:
         print(f"decoding: skipped (no Multi30k in {multi30k}, set MULTI30K_DIR, or no time left)")
     summary = markdown(header, records, skipped, loss_text=loss_text)
-    left_out = [x for x in skipped if x["why"].startswith(("over the time budget", "failed or cut"))]
-    if left_out:  # the first run the budget cut or left out, for a further call of the same lease
-        go_on = f"{left_out[0]['workload']}:{left_out[0]['switches']}"
-        summary += f"\n\nTo go on: `--skip-tests --start-at {go_on}` ({len(left_out)} runs left)."
-        append(args.out, {"kind": "go_on", "start_at": go_on, "runs_left": len(left_out)})
+    if left_out:
+        summary += f"\n\nTo go on: `--skip-tests --start-at {left_out[0]}` ({len(left_out)} runs left)."
+        append(args.out, {"kind": "go_on", "start_at": left_out[0], "runs_left": len(left_out)})
     args.out.with_suffix(".md").write_text(summary + "\n")
     print("\n" + summary)
     print(f"\nresults: {args.out}, {args.out.with_suffix('.md')}, log {log} ({time.time() - start:.0f} s)")
