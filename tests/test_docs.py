@@ -75,4 +75,4 @@ def test_recipe_file_is_the_whole_recipe(recipe):
 
 def test_readme_is_short():
     lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
-    assert len(lines) <= 300, len(lines)
+    assert len(lines) <= 200, len(lines)  # torchtitan's README: under 200 lines, the rest in docs/
