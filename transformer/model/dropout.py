@@ -15,8 +15,9 @@ from torch import nn
 _LEVELS = 1 << 16  # values of a 16-bit lane
 
 
-def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype) -> torch.Tensor:
-    """A (shape) tensor of 0 and 1 / (1 - p'), where p' = round(p * 65536) / 65536 is the drop rate used.
+def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype, scaled: bool = True) -> torch.Tensor:
+    """A (shape) tensor of 0 and 1 / (1 - p') (of 0 and 1 when not `scaled`), where p' = round(p * 65536) / 65536
+    is the drop rate used.
 
     The draw spans the full int64 range: `random_()` alone stops at 2**63 - 1, which would leave every
     fourth 16-bit lane non-negative and so keep too many elements there."""
@@ -24,7 +25,12 @@ def keep_mask(shape: torch.Size, p: float, dtype: torch.dtype) -> torch.Tensor:
     dropped = round(p * _LEVELS)
     lanes = torch.empty((n + 3) // 4, dtype=torch.int64).random_(-(1 << 63), None).view(torch.int16)
     keep = lanes[:n].view(shape) >= dropped - (_LEVELS // 2)  # int16 runs from -32768: `dropped` values fail
-    return keep.to(dtype).mul_(_LEVELS / (_LEVELS - dropped))
+    return keep.to(dtype).mul_(keep_scale(p)) if scaled else keep.to(dtype)
+
+
+def keep_scale(p: float) -> float:
+    """1 / (1 - p'), the survivors' scale."""
+    return _LEVELS / (_LEVELS - round(p * _LEVELS))
 
 
 def uses_keep_mask(x: torch.Tensor) -> bool:
@@ -50,7 +56,11 @@ class Dropout(nn.Module):
             return x
         if not uses_keep_mask(x):
             return F.dropout(x, self.p, training=True)
-        return x * keep_mask(x.shape, self.p, x.dtype)
+        if x.dtype in (torch.float32, torch.float64):
+            return x * keep_mask(x.shape, self.p, x.dtype)
+        # bf16 and fp16 cannot hold the scale (P_drop 0.1: 1.109375 in bf16, every survivor 0.16 % too small): the
+        # mask's 0s and 1s first, then the scale as a Python float, so each survivor is x times it rounded once
+        return (x * keep_mask(x.shape, self.p, x.dtype, scaled=False)).mul_(keep_scale(self.p))
 
     def extra_repr(self) -> str:
         return f"p={self.p}"
