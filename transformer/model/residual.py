@@ -3,7 +3,8 @@
 Under bf16 autocast the products run in bf16, but LayerNorm and the embeddings output fp32, so the residual
 stream between the sublayers is fp32: every Linear re-casts its input, and dropout, the add and LayerNorm
 each read and write fp32 tensors. With the switch on, the stream is stored in the autocast dtype; the
-functions here compute in fp32 (the sum and LayerNorm's statistics) and round at their output. The post-norm
+functions here compute in fp32 (the sum and LayerNorm's statistics) and round at their output (in eager mode the
+dropped-out sublayer output is rounded to bf16 before the sum, as eager bf16 ops round each result). The post-norm
 sum is rounded to the stream's dtype before it is normalised, as pre-norm's stream already is: LayerNorm's
 backward then recomputes the normalised input from that bf16 sum, where the compiler otherwise saved the
 normalised input in fp32, twice the bytes written forward and read back (tests/test_residual.py checks what a
@@ -32,8 +33,11 @@ def norm_to(norm: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
 
 
 def dropout_add(x: torch.Tensor, y: torch.Tensor, dropout: nn.Module, dtype: torch.dtype) -> torch.Tensor:
-    """x + Dropout(y) summed in fp32, returned in `dtype` (the pre-norm residual)."""
-    return (x.float() + dropout(y.float())).to(dtype)
+    """x + Dropout(y) in `dtype` (the pre-norm residual): the sum computed in fp32 and rounded once. The operands
+    are cast to `dtype` rather than the sum from fp32: a graph that casts fp32 to bf16 and back to fp32 (here, for
+    the next LayerNorm) has the pair folded away by some releases' inductor (2.11's, not 2.13's), which then stores
+    or saves the fp32 tensor instead of the bf16 one (docs/performance.md, "CPU, 2026-12-01: torch 2.11")."""
+    return x.to(dtype) + dropout(y.to(dtype))
 
 
 def dropout_add_norm(x: torch.Tensor, y: torch.Tensor, dropout: nn.Module, norm: nn.Module,
