@@ -121,7 +121,7 @@ def test_compiled_step_traces_torchs_varlen_op_into_at_most_two_graphs(tmp_path,
               "model.attention_dropout=0", "model.dropout=0.0", "trainer.accumulate=2")
     eager = make_trainer(tmp_path / "eager", *common)
     compiled = make_trainer(tmp_path / "compiled", *common, "trainer.compile=true",
-                            f"trainer.compile_scope={'layers' if scope == 'layers' else 'model'}")
+                            f"trainer.compile_scope={scope}")
     steps = varied_budgets(eager)
     assert len({packed.shape_of(b) for step in steps for b in step}) >= 4
     expected = run(eager, steps)
