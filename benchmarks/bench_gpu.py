@@ -31,6 +31,7 @@ from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
+import compile_cache  # noqa: E402  (beside this script)
 from gpu_report import markdown  # noqa: E402  (the summary table, beside this script)
 
 # Workloads: synthetic batches (vocabulary 32,000 and lengths ~ N(27, 12) unless set) at the recipes' own
@@ -130,9 +131,11 @@ TIER_FIRST = ("test_packed.py", "test_graphs.py", "test_varlen.py", "test_loss_o
 # Runs that keep files beside --out as well as numbers (<out stem>.<workload>-<set>.*, names the device tool
 # brings back): the profile window's timeline (bench.trace: every kernel and host call in order, for Perfetto)
 # and, under torch.compile, the code it generated (torch's TORCH_LOGS=output_code): the profile names compiled
-# kernels after that code's Triton kernels, so a slow one can be read after the lease. Base: the step the host
-# holds back in eager mode, and the one with every switch on packed tokens, compiled per layer and whole.
-KEEP = (("base@16k", "eager"), ("base@16k", "all+unpadded+layers"), ("base@16k", "all+unpadded"))
+# kernels after that code's Triton kernels, so a slow one can be read after the lease. Base with every switch on
+# packed tokens, compiled per layer and whole, then the step the host holds back in eager mode; in this order
+# while the files fit in MAX_FILES.
+KEEP = (("base@16k", "all+unpadded+layers"), ("base@16k", "all+unpadded"), ("base@16k", "eager"))
+MAX_FILES = 8  # the files of one device-tool call that come back
 # --dry-run: the same plan on a CPU, shrunk to seconds a run. A CPU has no CUDA graphs and compiles for
 # minutes, so each set runs as what a CPU can of it (DRY_SWAP: a graphed set's static shapes, packed token
 # budgets included, eager; the compiled loss's fused twin); a set that shrinks to one already run is skipped.
@@ -377,12 +380,25 @@ def switch_sets(args) -> dict:
     return sets
 
 
+def kept_runs(args) -> set:
+    """The KEEP runs whose files fit within MAX_FILES beside the call's own (records, summary and log; the GPU
+    tier's report unless --skip-tests; the compile cache's archive with --compile-cache), in KEEP's order."""
+    left = MAX_FILES - 3 - (not getattr(args, "skip_tests", False)) - bool(getattr(args, "compile_cache", None))
+    kept = set()
+    for workload, name in KEEP:
+        files = 1 + ("trainer.compile=true" in SWITCH_SETS[name] and not args.dry_run)  # the trace, the code
+        if files <= left:
+            kept.add((workload, name))
+            left -= files
+    return kept
+
+
 def plan(args, keys: set) -> tuple:
     """[(workload, switch set name, overrides)] to run, and [(workload, switch set, why)] skipped up front."""
     sets = switch_sets(args)
     entries = list(PLAN) + [(w, name) for name in sets if name not in SWITCH_SETS
                             for w in ("big@16k", "base@16k")]
-    todo, skipped, dry_seen = [], [], {}
+    todo, skipped, dry_seen, kept = [], [], {}, kept_runs(args)
     for workload, name in entries:
         if args.only and not workload.startswith(args.only) or args.sets and name not in args.sets:
             continue
@@ -401,7 +417,7 @@ def plan(args, keys: set) -> tuple:
         else:
             dry_seen.setdefault((workload, switch), name)
             keep = [f"bench.trace={kept_files(args.out, workload, name)['trace']}"] \
-                if (workload, name) in KEEP and "bench.trace" in keys else []
+                if (workload, name) in kept and "bench.trace" in keys else []
             todo.append((workload, name, [*WORKLOADS[workload], *COMMON, *switch, *(DRY if args.dry_run else ()),
                                           *keep]))
     return todo, skipped
@@ -425,10 +441,17 @@ def main(argv=None) -> int:
     p.add_argument("--switch", action="append", help="an extra switch set, name=key=value,key=value (16k runs)")
     p.add_argument("--decode-checkpoint", type=Path, help="time decoding with this trained checkpoint")
     p.add_argument("--dry-run", action="store_true", help="on a CPU, everything shrunk: tests the plumbing")
+    p.add_argument("--compile-cache", type=Path, metavar="ARCHIVE",
+                   help="torch.compile's caches from an earlier lease (the .compile-cache.tar.gz this option wrote "
+                        "beside --out), unpacked before the runs; after them, this call's are packed beside --out")
     args = p.parse_args(argv)
     unknown = [n for n in args.sets or [] if n not in switch_sets(args)]
     if unknown:
         p.error(f"--sets: no switch set named {', '.join(unknown)} (SWITCH_SETS or a --switch)")
+    try:  # before anything is written
+        compile_cache.recorded_dir(args.compile_cache) if args.compile_cache else None
+    except ValueError as e:
+        p.error(f"--compile-cache: {e}")
     todo, skipped = plan(args, config_keys()) if not args.tests_only else ([], [])
     if args.start_at:
         names = [f"{w}:{n}" for w, n, _ in todo]
@@ -448,9 +471,13 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "commit": commit(), "dry_run": args.dry_run}
     append(args.out, header)
+    if args.compile_cache:  # every run inherits the cache directory, TORCHINDUCTOR_CACHE_DIR
+        append(args.out, compile_cache.use(args.compile_cache))
     os.environ["BENCH_COMMIT"] = header["commit"]  # transformer-bench's records name it too (no .git on a copy)
     if args.tests_only:  # a second call of a lease: the tier alone
         code = run_tests(args.out, log, timeout=args.budget_s, dry=args.dry_run, workers=args.tier_workers)
+        if args.compile_cache:
+            append(args.out, compile_cache.keep(args.out))
         return 0 if args.dry_run and code == 5 else code
     records, left_out = [], []  # left_out: runs the budget cut or never started, for a further call
 
@@ -492,6 +519,8 @@ def main(argv=None) -> int:
         run_decode(args.out, args.decode_checkpoint)
     else:
         print(f"decoding: skipped (no Multi30k in {multi30k}, set MULTI30K_DIR, or no time left)")
+    if args.compile_cache:
+        append(args.out, compile_cache.keep(args.out))
     summary = markdown(header, records, skipped, loss_text=loss_text)
     if left_out:
         summary += f"\n\nTo go on: `--skip-tests --start-at {left_out[0]}` ({len(left_out)} runs left)."

@@ -47,6 +47,11 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
                   "| ms/step | share | calls/step | name |", "|---|---|---|---|"]
         lines += [f"| {t['self_ms']:.3f} | {100 * t['share']:.1f}% | {t['calls']} | `{t['name'][:100]}` |"
                   for t in r["top_ops"]]
+    compiled = [r for r in records if r.get("compile_cache")]
+    if compiled:  # what a carried compile cache (bench_gpu.py --compile-cache) saved each compiled run
+        lines += ["", "Compiled runs' warm-up (inductor's graphs found in its cache / compiled anew): " + "; ".join(
+            f"{r['workload']} [{r['switches']}] {r['warmup_s']:.0f} s ({r['compile_cache']['hits']} / "
+            f"{r['compile_cache']['misses']})" for r in compiled)]
     kept = [r for r in records if r.get("trace")]
     if kept:  # the files a lease brings back besides the numbers
         lines += ["", "Kept beside the records: " + "; ".join(

@@ -389,7 +389,8 @@ def test_bench_gpu_plan_covers_the_sizes_and_skips_switches_this_checkout_lacks(
     keys = bench_gpu.config_keys()
     assert {"trainer.loss", "trainer.compile", "data.max_tokens", "bench.profile"} <= keys
     args = argparse.Namespace(switch=["wishful=model.no_such_switch=true", "small_batches=data.max_tokens=8000"],
-                              only=None, sets=None, dry_run=False, out=Path("/tmp/bench-gpu-x.jsonl"))
+                              only=None, sets=None, dry_run=False, out=Path("/tmp/bench-gpu-x.jsonl"),
+                              skip_tests=True, compile_cache=None)  # a lease's first call
     todo, skipped = bench_gpu.plan(args, keys)
     runs = {(w, s) for w, s, _ in todo}
     assert {(w, "eager") for w in ("multi30k", "base@recipe", "base@16k", "big@recipe", "big@16k", "big@32k")} <= runs
@@ -483,10 +484,12 @@ def test_each_test_reports_its_outcome_as_it_ends(tmp_path, workers):
         "@pytest.mark.skipif(not os.environ.get('PYTEST_XDIST_WORKER'), reason='kills the run without xdist')\n"
         "def test_crash(): os._exit(3)\n")
     log = tmp_path / "tests.jsonl"
+    # not this suite's own xdist worker's variables (`pytest -n 2`), which would tell test_crash it is under xdist
+    outer = {k: v for k, v in cli_env().items() if not k.startswith("PYTEST_XDIST")}
     res = subprocess.run([sys.executable, "-m", "pytest", "-p", "tests.helpers.report", "-q", "-p", "no:cacheprovider",
                           *(["-n", str(workers)] if workers > 1 else []), str(tmp_path / "test_four.py")],
                          cwd=Path(__file__).resolve().parents[1],
-                         env={**cli_env(), "TRANSFORMER_TEST_LOG": str(log)}, capture_output=True, text=True,
+                         env={**outer, "TRANSFORMER_TEST_LOG": str(log)}, capture_output=True, text=True,
                          timeout=120)
     assert res.returncode == 1, res.stdout + res.stderr
     records = [json.loads(x) for x in log.read_text().splitlines()]
@@ -657,7 +660,9 @@ def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_famil
                 "reserved_gb": 21.25 if switches == "all" else None,  # graphed: the pools the peak leaves out
                 "top_ops_kind": "kernels_self_device", "profile_steps": 5,
                 "kernel_account": {"kernels": 900.0, "kernel_ms": sum(families.values()), "launches": launches,
-                                   "families": families}}
+                                   "families": families}, "warmup_s": 112.4 if switches == "all" else 2.0,
+                "compile_cache": {"hits": 1, "misses": 3, "aot_hits": 0, "aot_misses": 2} if switches == "all"
+                else None}
 
     md = markdown(header, [rec("eager", {"matmul": 12.0, "attention": 4.5}, 2400.0),
                            rec("all", {"matmul": 11.0, "compiled (Triton)": 9.0}, 3.0)], [])
@@ -665,19 +670,25 @@ def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_famil
     assert "| 0.00 (0.00) | 15.3 |" in md and "| 0.00 (0.00) | 15.3 (21.2) |" in md  # reserved where recorded
     assert "| workload | switches | matmul | compiled (Triton) | attention |" in md
     assert "| base@16k | eager | 12.00 | 0.00 | 4.50 |" in md and "| base@16k | all | 11.00 | 9.00 | 0.00 |" in md
+    # a compiled run's warm-up, and what it found in inductor's cache (bench_gpu.py --compile-cache)
+    assert "Compiled runs' warm-up (inductor's graphs found in its cache / compiled anew): base@16k [all] 112 s " \
+        "(1 / 3)" in md
 
 
-def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
+def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path, tmp_path_factory):
     """`bench_gpu.py --dry-run`: the GPU script's plumbing on a CPU, everything shrunk: one JSON record per run,
     the header (device, date, torch, commit), a Markdown table with a row per run and the top operators; a
     graphed set on packed token budgets runs as its static shapes, a compiled one that shrinks to eager is
-    skipped, and --sets picks the sets."""
-    out = tmp_path / "b.jsonl"
+    skipped, and --sets picks the sets. With --compile-cache and none yet, the runs' compile caches (the loss
+    benchmark's compiled loss, here) are packed beside --out."""
+    out, caches = tmp_path / "b.jsonl", tmp_path_factory.mktemp("caches")
     sets = "eager,all+unpadded,compile,loss=reference,acc8+fit"
     res = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"),
                           "--dry-run", "--skip-tests", "--only", "base", "--sets", sets, "--out", str(out),
-                          "--budget-s", "3000"],  # the plumbing, not the budget, on a slow or loaded CPU
-                         cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=900)
+                          "--budget-s", "3000",  # the plumbing, not the budget, on a slow or loaded CPU
+                          "--compile-cache", str(caches / "none-yet.tar.gz")], cwd=tmp_path,
+                         env={**cli_env(), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}, capture_output=True,
+                         text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert records[0]["kind"] == "machine" and records[0]["dry_run"] and records[0]["commit"]
@@ -699,7 +710,12 @@ def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path):
     # base@16k eager and all+unpadded keep their timelines (a lease brings them back: names of letters, digits,
     # '.', '_' and '-'), named in the summary; nothing else is left (no compiled code: a dry run compiles nothing)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["b.base-16k-all-unpadded.trace.json.gz",
-                                                          "b.base-16k-eager.trace.json.gz", "b.jsonl", "b.log", "b.md"]
+                                                          "b.base-16k-eager.trace.json.gz", "b.compile-cache.tar.gz",
+                                                          "b.jsonl", "b.log", "b.md"]
+    cache = [r for r in records if r["kind"] == "compile_cache"]
+    assert cache[0]["dir"] == str(caches / "inductor") and "files" not in cache[0]  # nothing to unpack
+    assert cache[1]["saved"] and cache[1]["files"] > 0
+    assert cache[1]["archive"] == str(tmp_path / "b.compile-cache.tar.gz")
     assert "`b.base-16k-eager.trace.json.gz` (timeline, Perfetto)" in md
     loss = [r for r in records if r["kind"] == "loss"]  # the loss benchmark: fused, compiled, reference
     assert len(loss) == 1 and loss[0]["returncode"] == 0 and "compiled" in loss[0]["output"]

@@ -243,6 +243,7 @@ def measure(trainer, b) -> dict:
             "profile": prof,
             "graphs": graphs if trainer.tcfg.compile else None,
             "graphs_during_timed": (graphs - graphs_warm) if trainer.tcfg.compile and graphs is not None else None,
+            "compile_cache": speedups.compile_cache_hits() if trainer.tcfg.compile else None,
             "cuda_graphs_captured": captured(trainer),
             "cuda_graphs_captured_timed": captured(trainer) - captured_warm if trainer.graphs is not None else None,
             "peak_mem_gb": peak_memory_gb(device),
@@ -357,7 +358,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "kernel_account": prof["account"] if prof else None,
         "top_ops": prof["top"] if prof else None, "top_ops_kind": (
             ("kernels_self_device" if env.device.type == "cuda" else "ops_self_cpu") if prof else None),
-        "graphs": m["graphs"], "graphs_during_timed": m["graphs_during_timed"],
+        "graphs": m["graphs"], "graphs_during_timed": m["graphs_during_timed"], "compile_cache": m["compile_cache"],
         **{k: m[k] for k in ("cuda_graphs_captured", "cuda_graphs_captured_timed")},
     }
 

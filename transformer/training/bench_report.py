@@ -77,6 +77,10 @@ def table(r: dict) -> str:
                                              f"({r['cuda_graphs_captured_timed']} during the timed steps)"))
     if r["graphs"] is not None:
         rows.append(("compiled graphs", f"{r['graphs']} ({r['graphs_during_timed']} during the timed steps)"))
+    cache = r.get("compile_cache")
+    if cache:
+        rows.append(("compile cache", f"{cache['hits']} compiled graphs found in inductor's cache, {cache['misses']} "
+                                      f"compiled anew; warm-up {r['warmup_s']:.1f} s"))
     width = max(len(k) for k, _ in rows)
     lines = [head, "-" * len(head.splitlines()[0])] + [f"{k:<{width}}  {v}" for k, v in rows]
     if r["top_ops"] is not None:

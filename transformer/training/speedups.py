@@ -215,3 +215,17 @@ def compiled_graphs() -> Optional[int]:
     except ImportError:
         return None
     return int(counters["stats"]["unique_graphs"])
+
+
+def compile_cache_hits() -> Optional[dict]:
+    """Inductor's on-disk cache this process so far: compiled graphs found there (`hits`, each a forward or a
+    backward) and compiled anew (`misses`), and the same for AOTAutograd's joint graphs (`aot_hits`,
+    `aot_misses`); None without Dynamo. A warm cache turns a compile of minutes into seconds: the bench reports
+    these so a run says whether it had one (benchmarks/compile_cache.py carries it between GPU machines)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    inductor, aot = counters["inductor"], counters["aot_autograd"]
+    return {"hits": int(inductor["fxgraph_cache_hit"]), "misses": int(inductor["fxgraph_cache_miss"]),
+            "aot_hits": int(aot["autograd_cache_hit"]), "aot_misses": int(aot["autograd_cache_miss"])}
