@@ -448,10 +448,11 @@ def main(argv=None) -> int:
     unknown = [n for n in args.sets or [] if n not in switch_sets(args)]
     if unknown:
         p.error(f"--sets: no switch set named {', '.join(unknown)} (SWITCH_SETS or a --switch)")
-    try:  # before anything is written
-        compile_cache.recorded_dir(args.compile_cache) if args.compile_cache else None
-    except ValueError as e:
-        p.error(f"--compile-cache: {e}")
+    if args.compile_cache:
+        try:  # before anything is written
+            compile_cache.recorded_dir(args.compile_cache)
+        except ValueError as e:
+            p.error(f"--compile-cache: {e}")
     todo, skipped = plan(args, config_keys()) if not args.tests_only else ([], [])
     if args.start_at:
         names = [f"{w}:{n}" for w, n, _ in todo]
