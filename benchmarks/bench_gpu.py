@@ -10,6 +10,7 @@ repository (no install, no download).
     python benchmarks/bench_gpu.py --out outputs/bench-gpu.jsonl [--skip-tests | --tests-only] [--only big]
         [--sets all+unpadded,cuda_graphs+unpadded] [--budget-s 450] [--tier-workers 4] [--start-at big@16k:all]
         [--switch name=key=value,key=value ...] [--decode-checkpoint RUN/checkpoints/best.pt]
+        [--compile-cache outputs/compile-cache.tar.gz]   # an earlier lease's compile caches; this one's beside --out
     python benchmarks/bench_gpu.py --dry-run --out /tmp/dry.jsonl   # the plumbing on a CPU, everything shrunk
 
 To extend: a new switch set is one line of SWITCH_SETS (and its workloads in PLAN); a set whose keys this
