@@ -449,9 +449,10 @@ def main(argv=None) -> int:
     unknown = [n for n in args.sets or [] if n not in switch_sets(args)]
     if unknown:
         p.error(f"--sets: no switch set named {', '.join(unknown)} (SWITCH_SETS or a --switch)")
-    if args.compile_cache:
-        try:  # before anything is written
-            compile_cache.recorded_dir(args.compile_cache)
+    cache = None
+    if args.compile_cache:  # before anything is written; every run inherits the directory, TORCHINDUCTOR_CACHE_DIR
+        try:
+            cache = compile_cache.use(args.compile_cache)
         except ValueError as e:
             p.error(f"--compile-cache: {e}")
     todo, skipped = plan(args, config_keys()) if not args.tests_only else ([], [])
@@ -473,8 +474,8 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "commit": commit(), "dry_run": args.dry_run}
     append(args.out, header)
-    if args.compile_cache:  # every run inherits the cache directory, TORCHINDUCTOR_CACHE_DIR
-        append(args.out, compile_cache.use(args.compile_cache))
+    if cache is not None:
+        append(args.out, cache)
     os.environ["BENCH_COMMIT"] = header["commit"]  # transformer-bench's records name it too (no .git on a copy)
     if args.tests_only:  # a second call of a lease: the tier alone
         code = run_tests(args.out, log, timeout=args.budget_s, dry=args.dry_run, workers=args.tier_workers)

@@ -26,25 +26,39 @@ INTERMEDIATE = (".ttir", ".ttgir", ".llir", ".ptx", ".source", ".amdgcn")
 DROPS = {"nothing": None, "intermediate": "Triton's intermediate forms", "triton": "Triton's own cache"}
 
 
+def _not_ours(archive: Path) -> ValueError:
+    return ValueError(f"{archive}: not a compile cache archive (no {WHERE} member)")
+
+
+def _open(archive: Path) -> tarfile.TarFile:
+    try:
+        return tarfile.open(archive)
+    except tarfile.TarError:
+        raise _not_ours(archive) from None
+
+
+def _where(archive: Path, tar: tarfile.TarFile) -> Path:
+    try:
+        return Path(tar.extractfile(WHERE).read().decode().strip())
+    except (KeyError, AttributeError):  # no such member; not a file
+        raise _not_ours(archive) from None
+
+
 def recorded_dir(archive: Path) -> Optional[Path]:
     """The directory `archive` was packed from, or None when there is no such archive; ValueError naming it
     when it is not one that pack() wrote."""
     if not archive.is_file():
         return None
-    try:
-        with tarfile.open(archive) as tar:
-            return Path(tar.extractfile(WHERE).read().decode().strip())
-    except (tarfile.TarError, KeyError, AttributeError):  # not a tar file; no such member; not a file
-        raise ValueError(f"{archive}: not a compile cache archive (no {WHERE} member)") from None
+    with _open(archive) as tar:
+        return _where(archive, tar)
 
 
 def unpack(archive: Path) -> dict:
     """Unpacks `archive` into the directory it was packed from (created where missing); returns what it held.
-    Raises ValueError naming the member for anything but plain files and folders under that directory."""
-    directory = recorded_dir(archive)
-    if directory is None:
-        raise ValueError(f"{archive}: no such file")
-    with tarfile.open(archive) as tar:
+    Raises ValueError naming the archive when pack() did not write it, and the member for anything but plain
+    files and folders under that directory."""
+    with _open(archive) as tar:
+        directory = _where(archive, tar)
         members = [m for m in tar.getmembers() if m.name != WHERE]
         for m in members:
             parts = Path(m.name).parts
@@ -112,15 +126,15 @@ def pack(directory: Path, archive: Path, limit: int = LIMIT) -> dict:
 def use(archive: Path) -> dict:
     """Points this process and the runs it starts (TORCHINDUCTOR_CACHE_DIR) at the directory `archive` was packed
     from, with its files, when there is such an archive, else at the environment's or DEFAULT_DIR. Returns the
-    record of what it did."""
-    directory = recorded_dir(archive) or Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or DEFAULT_DIR)
-    record = {"kind": "compile_cache", "dir": str(directory), "archive": str(archive)}
+    record of what it did; ValueError as unpack()'s, before anything is unpacked."""
+    record = {"kind": "compile_cache", "archive": str(archive)}
     if archive.is_file():
         record.update(unpack(archive))
-        print(f"compile cache: {record['files']} files from {archive} into {directory}", flush=True)
+        print(f"compile cache: {record['files']} files from {archive} into {record['dir']}", flush=True)
     else:
+        record["dir"] = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or str(DEFAULT_DIR)
         print(f"compile cache: no {archive} yet; this call's caches go beside --out", flush=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(directory)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = record["dir"]
     return record
 
 
