@@ -505,30 +505,30 @@ def test_each_test_reports_its_outcome_as_it_ends(tmp_path, workers):
 
 def test_bench_gpu_tier_runs_tests_in_parallel_only_where_xdist_and_cores_allow(monkeypatch):
     """Four tests at a time on a 16-core machine with pytest-xdist; serial on a small machine or without xdist."""
-    bench_gpu = load_benchmark("bench_gpu")
+    tier = load_benchmark("gpu_tier")
     for cores, xdist, expect in ((16, True, 4), (64, True, 4), (8, True, 2), (2, True, 1), (16, False, 1)):
-        monkeypatch.setattr(bench_gpu.os, "cpu_count", lambda c=cores: c)
-        monkeypatch.setattr(bench_gpu.importlib.util, "find_spec",
+        monkeypatch.setattr(tier.os, "cpu_count", lambda c=cores: c)
+        monkeypatch.setattr(tier.importlib.util, "find_spec",
                             lambda name, x=xdist: object() if name != "xdist" or x else None)
-        assert bench_gpu.tier_workers() == expect, (cores, xdist)
-    cmd = bench_gpu.tier_command(["tests/test_a.py", "tests/test_b.py"], 300, 4)
+        assert tier.tier_workers() == expect, (cores, xdist)
+    cmd = tier.tier_command(["tests/test_a.py", "tests/test_b.py"], 300, 4)
     assert cmd[cmd.index("-n") + 1] == "4" and cmd[-2:] == ["tests/test_a.py", "tests/test_b.py"]
     assert cmd[cmd.index("--timeout") + 1] == "150"  # half the tier when four share it
-    serial = bench_gpu.tier_command(["tests/test_a.py"], 300, 1)
+    serial = tier.tier_command(["tests/test_a.py"], 300, 1)
     assert "-n" not in serial and serial[serial.index("--timeout") + 1] == "100"  # a third alone
 
 
 def test_bench_gpu_timeout_kills_the_runs_children_too(tmp_path):
     """A run cut at its timeout takes its process group with it: a child it started (a loader or xdist worker)
     does not go on using the GPU through the next run."""
-    bench_gpu = load_benchmark("bench_gpu")
+    tier = load_benchmark("gpu_tier")
     script = ("import subprocess, sys, time\n"
               "child = subprocess.Popen(['sleep', '60'])\n"
               "print(child.pid, flush=True)\n"
               "time.sleep(60)\n")
     t0 = time.time()
     with pytest.raises(subprocess.TimeoutExpired) as e:
-        bench_gpu.run_group([sys.executable, "-c", script], timeout=3, cwd=tmp_path)
+        tier.run_group([sys.executable, "-c", script], timeout=3, cwd=tmp_path)
     assert time.time() - t0 < 20
     child = int(e.value.output.split()[0])  # what the run printed before its end comes back
 
@@ -541,7 +541,7 @@ def test_bench_gpu_timeout_kills_the_runs_children_too(tmp_path):
     while alive(child) and time.time() < deadline:
         time.sleep(0.1)
     assert not alive(child)
-    res = bench_gpu.run_group([sys.executable, "-c", "print('ok')"], timeout=30)
+    res = tier.run_group([sys.executable, "-c", "print('ok')"], timeout=30)
     assert (res.returncode, res.stdout) == (0, "ok\n")
 
 
@@ -621,10 +621,10 @@ def test_bench_gpu_env_switches_set_the_runs_environment(tmp_path, monkeypatch):
 def test_bench_gpu_tier_cut_short_still_names_its_failures(tmp_path, monkeypatch, capsys):
     """The lease's clock stops the tier: the tests that ended are counted, each failure printed with its last
     line, and the record keeps them all."""
-    bench_gpu = load_benchmark("bench_gpu")
+    tier = load_benchmark("gpu_tier")
     out = tmp_path / "b.jsonl"
 
-    def tier(cmd, env, timeout, **kw):
+    def cut_short(cmd, env, timeout, **kw):
         assert "-m" in cmd and "gpu" in cmd and cmd[-1].startswith("tests/")
         with open(env["TRANSFORMER_TEST_LOG"], "a") as f:
             f.write(json.dumps({"test": "tests/test_a.py::test_one", "outcome": "passed"}) + "\n")
@@ -632,8 +632,8 @@ def test_bench_gpu_tier_cut_short_still_names_its_failures(tmp_path, monkeypatch
                                 "error": "Traceback\nRuntimeError: mat1 dims not divisible by 16"}) + "\n")
         raise subprocess.TimeoutExpired(cmd, timeout, output="..F")
 
-    monkeypatch.setattr(bench_gpu, "run_group", tier)
-    assert bench_gpu.run_tests(out, tmp_path / "b.log", timeout=10, dry=False) == 124
+    monkeypatch.setattr(tier, "run_group", cut_short)
+    assert tier.run_tests(out, tmp_path / "b.log", timeout=10, dry=False) == 124
     printed = capsys.readouterr().out
     assert "gpu tier: 1 failed, 1 passed; timed out after 10 s" in printed
     assert "FAILED tests/test_a.py::test_two: RuntimeError: mat1 dims not divisible by 16" in printed
