@@ -29,7 +29,24 @@ def test_run_clock_carries_over_a_resume():
     clock.load_state_dict({"elapsed_s": 600.0})
     clock.start()
     assert 600.0 <= clock.seconds() < 610.0
-    assert RunClock().seconds() == 0.0 and RunClock().state_dict() == {"elapsed_s": 0.0}
+    assert RunClock().seconds() == 0.0
+    assert RunClock().state_dict() == {"elapsed_s": 0.0, "paused_s": {"validation": 0.0, "checkpoints": 0.0}}
+
+
+def test_run_clock_carries_its_pauses_over_a_resume():
+    """Validation and checkpoint seconds add up across resumes; a checkpoint written before they were kept
+    loads with none."""
+    clock = RunClock()
+    clock.add_pause("validation", 90.0)
+    clock.add_pause("checkpoints", 6.0)
+    resumed = RunClock()
+    resumed.load_state_dict(clock.state_dict())
+    resumed.add_pause("validation", 30.0)
+    assert resumed.paused == {"validation": 120.0, "checkpoints": 6.0}
+    assert resumed.split() == "validation 2.0 min, checkpoints 0.1 min"
+    old = RunClock()
+    old.load_state_dict({"elapsed_s": 600.0})
+    assert old.paused == {"validation": 0.0, "checkpoints": 0.0}
 
 
 def test_time_figure_plots_scores_against_minutes(tmp_path):

@@ -1,5 +1,6 @@
 import copy
 import json
+import re
 
 import numpy as np
 import pytest
@@ -344,3 +345,44 @@ def test_changed_settings_lists_differences_but_not_the_run_length():
     # A key an older version's config lacked changed nothing if it has its schema default now.
     older = {"logger": {"trackers": ["tensorboard"]}, "model": {"activation": "relu"}, "trainer": {"nonfinite": "stop"}}
     assert changed_settings({}, older) == ["trainer.nonfinite=<none> -> stop"]
+
+
+def test_validation_time_stays_out_of_the_steps_tokens_per_s(tmp_path, monkeypatch, caplog):
+    """A logged line's tokens/s is its steps' own: a validation between them (here one that takes 100 s of a
+    shifted clock) goes to the valid record's val_s and the run clock's pauses, which the summary line names;
+    the time left (eta_s) still counts it. Before, such a line's tokens/s fell by what validation took."""
+    import time
+
+    from transformer.training import hotpath, quality, validation
+
+    class Clock:  # the wall clock, plus what the fake validation "took"
+        offset = 0.0
+
+        @classmethod
+        def time(cls):
+            return time.time() + cls.offset
+
+    for module in (hotpath, quality, validation):
+        monkeypatch.setattr(module, "time", Clock)
+    t = make_trainer(tmp_path, "trainer.max_steps=4", "trainer.max_epochs=null", "trainer.val_every=2",
+                     "trainer.log_every=4", "checkpoint.every_steps=100")
+    scores = t.validator.scores
+
+    def slow(model, ema=None):
+        Clock.offset += 100.0
+        return scores(model, ema)
+
+    monkeypatch.setattr(t.validator, "scores", slow)
+    windows, read = [], hotpath.TrainWindow.read
+    monkeypatch.setattr(hotpath.TrainWindow, "read", lambda self, g=None: windows.append(read(self, g)) or windows[-1])
+    with caplog.at_level("INFO"):
+        assert t.train() == 0
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    (train,) = [x for x in lines if x["split"] == "train"]  # steps 1-4; step 2's validation inside, step 4's after
+    valid = [x for x in lines if x["split"] == "valid"]
+    assert [x["step"] for x in valid] == [2, 4] and all(x["val_s"] >= 100.0 for x in valid)
+    (w,) = windows
+    assert w["wall"] >= 100.0 and w["elapsed"] < 20.0  # 4 steps of a tiny model: seconds at most
+    assert train["tokens_per_s"] == pytest.approx(w["tokens"] / w["elapsed"])
+    assert t.clock.paused["validation"] >= 200.0 and t.clock.paused["checkpoints"] > 0.0
+    assert re.search(r"done: step 4, .* min \(validation 3\.[34] min, checkpoints 0\.\d min\)", caplog.text)

@@ -14,6 +14,7 @@ past `trainer.max_minutes`) and the anneal flag (past the point where `optim.ann
 sit beside it and are read in the same copy, so all ranks end the run, and start the fall, at the same step;
 so does the nonfinite flag (some rank's loss or the gradients are inf/NaN: transformer/training/nonfinite.py).
 """
+import contextlib
 import time
 from collections import deque
 from typing import Deque, Dict, List, NamedTuple, Optional, Tuple, Union
@@ -88,7 +89,9 @@ class LoopKeys(NamedTuple):
 
 class TrainWindow:
     """Sums of the steps since the last logged line: tokens, loss and nll on the device, steps and the
-    start time on the host. `read()` is the one synchronisation per logged line."""
+    start time on the host. `read()` is the one synchronisation per logged line. Validation and checkpoint
+    writes between its steps are `exclude`d from its training time (a line's tokens/s is the steps' own) but
+    kept in its wall time (what the time left is estimated from)."""
 
     def __init__(self):
         self.reset()
@@ -97,6 +100,10 @@ class TrainWindow:
         self.sums: Optional[torch.Tensor] = None
         self.steps = 0
         self.time = time.time()
+        self.excluded = 0.0  # seconds of validation and checkpoints since `time`
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded += seconds
 
     def add(self, result: StepResult) -> None:
         part = result.stats[:3]
@@ -104,14 +111,32 @@ class TrainWindow:
         self.steps += 1
 
     def read(self, grad_norm: Optional[torch.Tensor] = None) -> Dict[str, float]:
-        """{tokens, loss, nll[, grad_norm], steps, elapsed}: one device-to-host copy for all of them."""
+        """{tokens, loss, nll[, grad_norm], steps, elapsed, wall}: one device-to-host copy for all of them.
+        elapsed: the steps' seconds; wall: the same with the excluded pauses."""
         parts = [self.sums if self.sums is not None else torch.zeros(3, dtype=torch.float64)]
         if grad_norm is not None:
             parts.append(grad_norm.detach().to(parts[0].device, torch.float64).view(1))
         values = torch.cat(parts).tolist()
         out = dict(zip(("tokens", "loss", "nll", "grad_norm"), values, strict=False))
-        out.update(steps=self.steps, elapsed=time.time() - self.time)  # after the copy: the GPU caught up
+        wall = time.time() - self.time  # after the copy: the GPU caught up
+        out.update(steps=self.steps, elapsed=max(wall - self.excluded, 0.0), wall=wall)
         return out
+
+
+@contextlib.contextmanager
+def paused(window: TrainWindow, clock, kind: str, device: torch.device):
+    """Validation or a checkpoint write between training steps: its seconds are kept out of `window`'s training
+    time and added to `clock`'s pauses of `kind` (quality.RunClock). The steps already queued on a GPU finish
+    first, on the steps' side of the line (validation would wait for them at its first read anyway)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.time()
+    try:
+        yield
+    finally:
+        seconds = time.time() - start
+        window.exclude(seconds)
+        clock.add_pause(kind, seconds)
 
 
 class LaggedFlag:

@@ -8,10 +8,21 @@ from transformer.tasks import Metric
 
 
 class RunClock:
-    """Seconds of this run, carried across resumes by the checkpoint."""
+    """Seconds of this run, carried across resumes by the checkpoint, and how many of them went to validation
+    and to checkpoint writes between training steps (`paused`), for the run's summary line."""
+
+    PAUSES = ("validation", "checkpoints")
 
     def __init__(self):
         self.before, self.started = 0.0, None
+        self.paused: Dict[str, float] = dict.fromkeys(self.PAUSES, 0.0)
+
+    def add_pause(self, kind: str, seconds: float) -> None:
+        self.paused[kind] += seconds
+
+    def split(self) -> str:
+        """"validation 0.4 min, checkpoints 0.1 min": what the run's minutes went to besides its steps."""
+        return ", ".join(f"{kind} {seconds / 60:.1f} min" for kind, seconds in self.paused.items())
 
     def start(self) -> None:
         self.started = time.time()
@@ -20,10 +31,13 @@ class RunClock:
         return self.before + (time.time() - self.started if self.started is not None else 0.0)
 
     def state_dict(self) -> dict:
-        return {"elapsed_s": self.seconds()}
+        return {"elapsed_s": self.seconds(), "paused_s": dict(self.paused)}
 
     def load_state_dict(self, state: dict) -> None:
         self.before = float(state.get("elapsed_s", 0.0))
+        for kind, seconds in state.get("paused_s", {}).items():  # absent from checkpoints of earlier versions
+            if kind in self.paused:
+                self.paused[kind] = float(seconds)
 
 
 class TimeToQuality:

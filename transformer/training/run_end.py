@@ -123,8 +123,9 @@ def _store_decoding(checkpointer: Checkpointer, best: Path, ckpt: dict, tuned: d
 def _summary(validator: Validator, checkpointer: Optional[Checkpointer], best: Optional[str], step: int, epoch: int,
              clock: RunClock) -> None:
     chosen = checkpointer.target(Path(best)) if best else "no checkpoint"  # best.pt links to it
-    log.info("done: step %d, epoch %d, %.1f min | best %s=%s: %s (chosen by checkpoint.best_metric on the "
-             "validation split) | time to quality: %s", step, epoch, clock.seconds() / 60, validator.metric.name,
+    log.info("done: step %d, epoch %d, %.1f min (%s) | best %s=%s: %s (chosen by checkpoint.best_metric on the "
+             "validation split) | time to quality: %s", step, epoch, clock.seconds() / 60, clock.split(),
+             validator.metric.name,
              f"{validator.best:.4g}" if validator.best is not None else "n/a", chosen, validator.quality.summary())
 
 

@@ -24,7 +24,7 @@ from transformer.training.checkpoint import (
 )
 from transformer.training.ema import EMA
 from transformer.training.graphs import GraphStep
-from transformer.training.hotpath import LaggedFlag, LoopKeys, StepResult, StepTimer, TrainWindow
+from transformer.training.hotpath import LaggedFlag, LoopKeys, StepResult, StepTimer, TrainWindow, paused
 from transformer.training.init_from import FREE_AT_INIT, override_value
 from transformer.training.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.nonfinite import Diverged, NonfiniteGuard, check_weights, diverged_line
@@ -286,15 +286,15 @@ class Trainer:
                     return exit_codes.PREEMPTED
                 validated = is_best = False
                 if self.step % self.keys.val_every == 0:
-                    validated, is_best = True, self._validate_once()
+                    validated, is_best = True, self._validate_once(window)
                 if is_best or self.step % self.keys.every_steps == 0:
-                    self.save(is_best)  # a new best is saved at once, or best.pt would miss it
+                    self._save_between_steps(window, is_best)  # a new best at once, or best.pt would miss it
                 if validated and self._patience_over():
                     return 0
             if self.batch_index >= n:  # epoch complete (not cut short by max_steps)
                 self.epoch, self.batch_index = self.epoch + 1, 0
                 if self.tcfg.val_epoch_end:  # off: val_every and checkpoint.every_steps alone pace both
-                    self.save(self._validate_once())
+                    self._save_between_steps(window, self._validate_once(window))
                     if self._patience_over():
                         return 0
         if self.scheduler.annealed and not self.out_of_time:
@@ -304,16 +304,21 @@ class Trainer:
             log.info("trainer.max_minutes=%g reached at step %d (%.1f min); a larger value (or null) on the same "
                      "run directory trains on", self.tcfg.max_minutes, self.step, self.clock.seconds() / 60)
         if not self._last_saved_is_current():  # stopped by max_steps or max_minutes mid-epoch
-            self.save(self._validate_once())
+            self._save_between_steps(window, self._validate_once(window))
         return 0
 
     def _rng_untouched(self):
         return rng_untouched(self.env.device)  # validation.rng_untouched says why
 
-    def _validate_once(self) -> bool:
+    def _validate_once(self, window: TrainWindow) -> bool:
         """Validates this step's weights (the weight average with trainer.ema_decay), once per step;
-        returns whether they are the best so far."""
-        return self.validator(self.model, self.step, self.epoch, self.ema)
+        returns whether they are the best so far. Its time is not the steps' (`paused`)."""
+        with paused(window, self.clock, "validation", self.env.device):
+            return self.validator(self.model, self.step, self.epoch, self.ema)
+
+    def _save_between_steps(self, window: TrainWindow, is_best: bool) -> None:
+        with paused(window, self.clock, "checkpoints", self.env.device):
+            self.save(is_best)
 
     def _patience_over(self) -> bool:
         return self.validator.patience_over()
@@ -364,7 +369,7 @@ class Trainer:
             values["grad_norm"] = w["grad_norm"]
         ends = [s for s in (self.total_steps, self.scheduler.anneal_end) if s is not None]
         if ends:  # for logs read without the bar (SLURM, nohup): time left at this pace
-            values["eta_s"] = max(min(ends) - self.step, 0) * elapsed / max(w["steps"], 1)
+            values["eta_s"] = max(min(ends) - self.step, 0) * w["wall"] / max(w["steps"], 1)  # pauses too
         if self.tcfg.max_minutes is not None:  # the time limit may come first
             left = max(60 * self.tcfg.max_minutes - self.clock.seconds(), 0.0)
             values["eta_s"] = min(values.get("eta_s", left), left)

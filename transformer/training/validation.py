@@ -4,6 +4,7 @@ Validator reads nothing of the Trainer. Collective: every rank calls it, each sc
 import contextlib
 import logging
 import math
+import time
 from typing import Callable, ContextManager, Dict, Optional
 
 import torch
@@ -102,8 +103,11 @@ class Validator:
         return self.best is None or (score > self.best if self.metric.higher_is_better else score < self.best)
 
     def validate(self, model: torch.nn.Module, step: int, epoch: int, ema: Optional[EMA] = None) -> bool:
-        """Scores the weights, logs them and updates best/bad_validations; returns whether they are the best."""
+        """Scores the weights, logs them (with val_s, the seconds it took) and updates best/bad_validations;
+        returns whether they are the best."""
+        start = time.time()
         values = self.scores(model, ema)
+        values["val_s"] = round(time.time() - start, 2)
         # Rank 0's clock for all: the levels reached and the minutes logged are the same on every rank.
         minutes = round(self.env.broadcast_object(self.clock.seconds() / 60), 3)
         values["train_minutes"] = minutes
