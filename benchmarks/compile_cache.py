@@ -14,7 +14,6 @@ import os
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 LIMIT = 16 * 2**20  # the largest file the device tool brings back
 DEFAULT_DIR = Path("/tmp/transformer-compile-cache")
@@ -42,15 +41,6 @@ def _where(archive: Path, tar: tarfile.TarFile) -> Path:
         return Path(tar.extractfile(WHERE).read().decode().strip())
     except (KeyError, AttributeError):  # no such member; not a file
         raise _not_ours(archive) from None
-
-
-def recorded_dir(archive: Path) -> Optional[Path]:
-    """The directory `archive` was packed from, or None when there is no such archive; ValueError naming it
-    when it is not one that pack() wrote."""
-    if not archive.is_file():
-        return None
-    with _open(archive) as tar:
-        return _where(archive, tar)
 
 
 def unpack(archive: Path) -> dict:
