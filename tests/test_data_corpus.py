@@ -1,9 +1,11 @@
-"""data=files: reading parallel text, the errors for bad corpora, bad-pair filtering, direction."""
+"""data=files: reading parallel text, the errors for bad corpora (pipes and folders too), bad-pair filtering,
+direction."""
 import gzip
 
 import pytest
 
 from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, FakeEnv, small_files_cfg, write_corpus, write_lines
+from tests.helpers.textfiles import fifo
 from transformer.data.batch import BOS, EOS
 from transformer.data.corpus import read_lines, read_parallel, resolve
 from transformer.data.translation import build_translation_data, filter_pairs, load_split
@@ -24,6 +26,25 @@ def test_only_newline_splits_lines(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(ValueError, match=r"corpus file not found: .*train\.de \(nor train\.de\.gz\)"):
         resolve(str(tmp_path / "train"), "de")
+
+
+def test_a_training_corpus_must_be_a_file_not_a_pipe_or_a_folder(tmp_path):
+    """Training reads its corpus several times: a pipe (here one that could even be read again) is refused by
+    name; a test split, read once, may be one (tests/test_evaluate.py)."""
+    cfg = small_files_cfg(tmp_path)
+    prefix = cfg.data.files.train
+    train_de = tmp_path / "corpus" / "train.de"
+    data = train_de.read_bytes()
+    train_de.unlink()
+    with fifo(train_de, data, again=True):
+        with pytest.raises(ValueError, match=rf"^data\.files\.train={prefix}: {train_de} is a pipe, which can be "
+                                             r"read only once, and this corpus is read several times \(its sha256"):
+            build_translation_data(cfg, FakeEnv(), None)
+        assert resolve(prefix, "de", read_once=True) == train_de
+    train_de.unlink()
+    train_de.mkdir()
+    with pytest.raises(ValueError, match=rf"^data\.files\.train={prefix}: {train_de} is a folder, not a file$"):
+        build_translation_data(cfg, FakeEnv(), None)
 
 
 def test_plain_and_gz_both_present_is_ambiguous(tmp_path):

@@ -13,6 +13,7 @@ from tests.helpers.cli import free_port
 from tests.helpers.data import MULTI30K, needs_multi30k
 from tests.helpers.dist import join_gloo
 from tests.helpers.models import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
+from tests.helpers.textfiles import fifo
 from transformer import dist
 from transformer.cli.evaluate import main
 from transformer.config import EvalConfig
@@ -71,17 +72,56 @@ def test_split_from_the_checkpoint_data_config(setup):
     assert by_split["bleu"] == by_files["bleu"] and by_split["split"] == "mytest"
 
 
+def test_sources_and_references_from_named_pipes(setup, tmp_path):
+    """--src/--ref and a data.files test split read from pipes (each is read once) score as the files do."""
+    folder, prefix, ckpt = setup
+    assert main([str(ckpt), "--src", f"{prefix}.de", "--ref", f"{prefix}.en", "--beam", "2",
+                 "--out-dir", str(tmp_path / "files")]) == 0
+    with fifo(tmp_path / "src", Path(f"{prefix}.de").read_bytes()) as src, \
+            fifo(tmp_path / "ref", Path(f"{prefix}.en").read_bytes()) as ref:
+        assert main([str(ckpt), "--src", str(src), "--ref", str(ref), "--beam", "2",
+                     "--out-dir", str(tmp_path / "pipes")]) == 0
+    (tmp_path / "split").mkdir()
+    atomic_save(copy_checkpoint(name="files", files={"piped": str(tmp_path / "split" / "p")}), tmp_path / "m.pt")
+    with fifo(tmp_path / "split" / "p.de", Path(f"{prefix}.de").read_bytes()), \
+            fifo(tmp_path / "split" / "p.en", Path(f"{prefix}.en").read_bytes()):
+        assert main([str(tmp_path / "m.pt"), "--split", "piped", "--beam", "2",
+                     "--out-dir", str(tmp_path / "split")]) == 0
+    want = json.loads((tmp_path / "files" / "pairs.de.json").read_text())
+    assert json.loads((tmp_path / "pipes" / "src.json").read_text())["bleu"] == want["bleu"]
+    assert json.loads((tmp_path / "split" / "piped.json").read_text())["bleu"] == want["bleu"]
+
+
+def test_long_sources_are_truncated_as_translate_truncates_them(setup, tmp_path, capsys):
+    from transformer.cli import translate
+
+    folder, prefix, ckpt = setup
+    assert main([str(ckpt), "--src", f"{prefix}.de", "--ref", f"{prefix}.en", "--beam", "2", "--max-source-tokens",
+                 "3", "--out-dir", str(tmp_path)]) == 0
+    evaluate_warnings = [ln.split(": ", 2)[2] for ln in capsys.readouterr().err.splitlines()]
+    assert translate.main([str(ckpt), "--input", f"{prefix}.de", "--beam", "2", "--max-source-tokens", "3",
+                           "--output", str(tmp_path / "translated")]) == 0
+    translate_warnings = [ln.split(": ", 2)[2] for ln in capsys.readouterr().err.splitlines()[:-1]]
+    assert (tmp_path / "pairs.de.hyp").read_text() == (tmp_path / "translated").read_text()
+    assert len(evaluate_warnings) == 40 and evaluate_warnings[0].endswith("truncated to 3 (--max-source-tokens)")
+    assert [w.split(",")[1:] for w in evaluate_warnings] == [w.split(",")[1:] for w in translate_warnings]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--split", "nosuchsplit"], "--split nosuchsplit"),
     (["--src", "{prefix}.de"], "--src and --ref go together"),
     (["--src", "{prefix}.de", "--ref", "{short}"], "lines"),
+    (["--src", "{missing}", "--ref", "{short}"], "--src {missing}: no such file"),
+    (["--src", "{prefix}.de", "--ref", "{folder}"], "--ref {folder}: is a folder, not a file"),
+    (["--src", "/dev/null", "--ref", "{short}"], "/dev/null: file is empty"),
     ([], "give --split"),
 ])
 def test_bad_input_is_one_line_and_nonzero(setup, argv, message, tmp_path, capsys):
     folder, prefix, ckpt = setup
     short = tmp_path / "short.en"
     short.write_text("4 5\n", encoding="utf-8")
-    argv = [a.format(prefix=prefix, short=short) for a in argv]
+    names = {"prefix": prefix, "short": short, "missing": tmp_path / "nope.de", "folder": folder}
+    argv, message = [a.format(**names) for a in argv], message.format(**names)
     assert main([str(ckpt), *argv, "--out-dir", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]

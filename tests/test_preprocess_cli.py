@@ -7,6 +7,8 @@ import pytest
 from tests.helpers.cli import train_cmd
 from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, write_corpus
 from tests.helpers.dist import assert_same_state, assert_same_weights, last_ckpt, run_cli
+from tests.helpers.textfiles import fifo
+from transformer.data.corpus import READ_TWICE
 from transformer.data.store import MANIFEST, Preprocessed
 
 PRE = [sys.executable, "-m", "transformer.cli.preprocess"]
@@ -42,6 +44,20 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, messag
     res = run_cli([*PRE, *corpus(tmp_path), *args, "preprocess.progress=false"], tmp_path, expect=2)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and pytest.importorskip("re").search(message, lines[0]), res.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+def test_a_pipe_as_corpus_is_refused_by_name(tmp_path):
+    data = corpus(tmp_path)
+    train_de = tmp_path / "corpus" / "train.de"
+    content = train_de.read_bytes()
+    train_de.unlink()
+    with fifo(train_de, content, again=True):  # even a pipe that could be read again: one read is all one can count on
+        res = run_cli([*PRE, *data, f"preprocess.out_dir={tmp_path / 'bin'}", "preprocess.progress=false"], tmp_path,
+                      expect=2)
+    assert res.stderr.strip().splitlines() == [
+        f"error: data.files.train={tmp_path / 'corpus' / 'train'}: {train_de} is a pipe, which can be read only once, "
+        f"and {READ_TWICE}: write it to a file first"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 
 

@@ -1,7 +1,8 @@
-"""transformer-translate: file and stdin input, input order, n-best output, line-by-line interactive use,
+"""transformer-translate: file, pipe and stdin input, input order, n-best output, line-by-line interactive use,
 and one-line errors for bad input."""
 import io
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.models import VOCAB, copy_checkpoint, copy_model, one_thread, random_copy_items  # noqa: F401
+from tests.helpers.textfiles import fifo
 from transformer.cli.translate import main
 from transformer.config import EvalConfig
 from transformer.data.copy import CopyTokenizer
@@ -55,6 +57,26 @@ def test_stdin_to_stdout_keeps_empty_lines(ckpt_path, sentences, monkeypatch, ca
     assert lines == [expected[0][0].text, "", expected[1][0].text, ""]
 
 
+def test_input_from_a_named_pipe_and_from_dev_null(ckpt_path, sentences, tmp_path, capsys):
+    expected = translate_sentences(copy_model(), CopyTokenizer(VOCAB), sentences[:5], EvalConfig(beam=2), "cpu")
+    with fifo(tmp_path / "pipe", ("\n".join(sentences[:5]) + "\n").encode()) as pipe:
+        assert main([str(ckpt_path), "--input", str(pipe), "--beam", "2"]) == 0
+    assert capsys.readouterr().out.splitlines() == [n[0].text for n in expected]
+    assert main([str(ckpt_path), "--input", "/dev/null", "--output", str(tmp_path / "out.txt")]) == 0
+    assert (tmp_path / "out.txt").read_bytes() == b""  # nothing in, nothing out: no error
+
+
+def test_input_from_a_process_substitution(ckpt_path, sentences):
+    """The issue's own command line: `--input <(...)`, a /dev/fd/N pipe made by bash."""
+    cmd = (f"{shlex.quote(sys.executable)} -m transformer.cli.translate {shlex.quote(str(ckpt_path))} --beam 2 "
+           f"--threads 1 --input <(printf '%s\\n' {shlex.quote(sentences[0])} {shlex.quote(sentences[1])})")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, env=env, timeout=120)
+    assert res.returncode == 0, res.stderr
+    expected = translate_sentences(copy_model(), CopyTokenizer(VOCAB), sentences[:2], EvalConfig(beam=2), "cpu")
+    assert res.stdout.splitlines() == [n[0].text for n in expected]
+
+
 def test_nbest_output(ckpt_path, sentences, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", stdin_of("\n".join(sentences[:2]) + "\n"))
     assert main([str(ckpt_path), "--beam", "4", "--nbest", "3"]) == 0
@@ -69,14 +91,16 @@ def test_nbest_output(ckpt_path, sentences, monkeypatch, capsys):
     (["{missing}"], "no such checkpoint file"),
     (["{ckpt}", "--beam", "2", "--nbest", "3"], "--nbest 3"),
     (["{ckpt}", "--beam", "0"], "--beam 0"),
-    (["{ckpt}", "--input", "{missing}"], "--input"),
+    (["{ckpt}", "--input", "{missing}"], "--input {missing}: no such file"),
+    (["{ckpt}", "--input", "{folder}"], "--input {folder}: is a folder, not a file"),
     (["{garbage}"], "not a checkpoint"),
 ])
 def test_bad_input_is_one_line_and_nonzero(argv, message, ckpt_path, tmp_path, capsys):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
     out = tmp_path / "out.txt"
-    argv = [a.format(missing=tmp_path / "nope.pt", ckpt=ckpt_path, garbage=garbage) for a in argv]
+    names = {"missing": tmp_path / "nope.pt", "ckpt": ckpt_path, "garbage": garbage, "folder": tmp_path}
+    argv, message = [a.format(**names) for a in argv], message.format(**names)
     assert main(argv + ["--output", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and err[0].startswith("transformer-translate: error:")

@@ -2,7 +2,7 @@
 translate and evaluate."""
 import argparse
 import sys
-from typing import Callable, Optional
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -45,6 +45,9 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-len-b", type=int, help="output limit a * source_length + b: the b")
     g.add_argument("--nbest", type=int, help="hypotheses written per sentence")
     g.add_argument("--batch-tokens", type=int, help="source tokens per batch, padding included")
+    g.add_argument("--max-source-tokens", type=int, default=None,
+                   help="longer sources are truncated, with a warning (default: the checkpoint's data.max_len, the "
+                        "longest sentence training kept; outputs are also bounded by the model's max_positions)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
     g.add_argument("--threads", type=int, help="CPU threads of torch (default: torch's choice)")
 
@@ -82,3 +85,33 @@ def pick_device(name: str, threads: Optional[int] = None) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
+
+
+def max_source_tokens(args: argparse.Namespace, ckpt: dict, model) -> int:
+    """--max-source-tokens, by default the longest sentence training kept (data.max_len)."""
+    trained_max = ((ckpt.get("config") or {}).get("data") or {}).get("max_len") or model.args.max_positions
+    n = trained_max if args.max_source_tokens is None else args.max_source_tokens
+    if n < 1:
+        raise UsageError(f"--max-source-tokens {n}: must be >= 1")
+    return n
+
+
+def translate_lines(prog: str, model, tokenizer, lines: Sequence[str], cfg: EvalConfig, device, max_source: int,
+                    name: str, first_line: int = 1) -> List[Optional[list]]:
+    """The n-best lists of `lines` (as transformer/data/textfile.py reads them), None for a blank line: the model
+    never sees one, and translate and evaluate both answer it with an empty line. Sources longer than
+    `max_source` tokens are truncated, with a warning naming the line (`first_line` numbers lines[0])."""
+    from transformer.data.tokenizer import encode_sources
+    from transformer.decoding import translate_ids
+
+    keep = [i for i, s in enumerate(lines) if s.strip()]
+    ids = encode_sources(tokenizer, [lines[i] for i in keep])
+    for k, i in enumerate(keep):
+        if len(ids[k]) > max_source:
+            print(f"{prog}: warning: {name}, line {first_line + i}: {len(ids[k])} source tokens, truncated to "
+                  f"{max_source} (--max-source-tokens)", file=sys.stderr)
+            ids[k] = ids[k][:max_source]
+    out: List[Optional[list]] = [None] * len(lines)
+    for i, nbest in zip(keep, translate_ids(model, tokenizer, ids, cfg, device), strict=True):
+        out[i] = nbest
+    return out

@@ -8,7 +8,9 @@ Splits are read with the data settings stored in the checkpoint (`data.name`, la
 folder and only read: a split missing there is an error. Only the default cache (no data root at all) is
 downloaded into. For each split NAME, OUT_DIR/NAME.hyp holds the detokenised
 hypotheses (line k for source line k) and OUT_DIR/NAME.json the scores with sacreBLEU's signatures;
-OUT_DIR defaults to RUN/eval/ for a checkpoint under RUN/checkpoints/.
+OUT_DIR defaults to RUN/eval/ for a checkpoint under RUN/checkpoints/. Text is read and translated as
+transformer-translate reads and translates it (transformer/data/textfile.py; a blank source line gets an
+empty hypothesis, scored as it is), so the scores are those of `transformer-translate --input SRC | sacrebleu REF`.
 """
 import argparse
 import json
@@ -18,8 +20,15 @@ from pathlib import Path
 from typing import List, Optional, Tuple
 
 from transformer.atomic import write_text_atomic
-from transformer.cli.common import UsageError, add_decoding_args, eval_config, pick_device, run_command
-from transformer.decoding import translate_sentences
+from transformer.cli.common import (
+    UsageError,
+    add_decoding_args,
+    eval_config,
+    max_source_tokens,
+    pick_device,
+    run_command,
+    translate_lines,
+)
 from transformer.training.checkpoint import load_model
 
 PROG = "transformer-evaluate"
@@ -43,12 +52,12 @@ def default_out_dir(checkpoint: Path) -> Path:
 
 
 def read_text(path: str, flag: str) -> List[str]:
-    from transformer.data.corpus import read_lines
+    """The lines of --src/--ref by the rules of transformer/data/textfile.py; any readable path (a pipe too)."""
+    from transformer.data.textfile import check_readable, read_lines
 
-    if not Path(path).is_file():
-        raise UsageError(f"{flag} {path}: no such file")
     try:
-        return read_lines(Path(path))
+        check_readable(path, f"{flag} {path}")
+        return read_lines(path)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -69,8 +78,8 @@ def data_config(ckpt: dict, data_root: Optional[str]):
     return cfg
 
 
-def load_splits(args, ckpt: dict) -> List[Tuple[str, List[str], List[str]]]:
-    """(name, sources, references) of every requested split."""
+def load_splits(args, ckpt: Optional[dict]) -> List[Tuple[str, List[str], List[str]]]:
+    """(name, sources, references) of every requested split (--src/--ref need no checkpoint)."""
     if args.src or args.ref:
         if not (args.src and args.ref):
             raise UsageError("--src and --ref go together")
@@ -110,11 +119,14 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     if bool(args.split) == bool(args.src or args.ref):
         raise UsageError("give --split NAME (repeatable) or --src FILE --ref FILE")
+    # --src/--ref are read before the checkpoint is loaded: a bad file fails fast (and a pipe is drained once)
+    splits = load_splits(args, None) if args.src or args.ref else None
     device = pick_device(args.device, args.threads)
     model, tokenizer, ckpt = load_model(args.checkpoint, device)
     cfg = eval_config(args, ckpt)
     cfg.nbest = 1
-    splits = load_splits(args, ckpt)
+    max_source = max_source_tokens(args, ckpt, model)
+    splits = splits or load_splits(args, ckpt)
     out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(Path(args.checkpoint))
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -122,7 +134,9 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--out-dir {out_dir}: {e.strerror}") from None
     for name, srcs, refs in splits:
         start = time.perf_counter()
-        hyps = [n[0].text for n in translate_sentences(model, tokenizer, srcs, cfg, device)]
+        # The same path as transformer-translate's: a blank source line gets an empty hypothesis, still scored
+        nbests = translate_lines(PROG, model, tokenizer, srcs, cfg, device, max_source, name)
+        hyps = [n[0].text if n is not None else "" for n in nbests]
         seconds = time.perf_counter() - start
         result = {"split": name, "checkpoint": str(Path(args.checkpoint).resolve()),
                   "step": (ckpt.get("trainer") or {}).get("step"), "sentences": len(srcs),

@@ -3,42 +3,45 @@
     echo "Ein Mann fährt Fahrrad ." | transformer-translate outputs/run/checkpoints/best.pt
     transformer-translate best.pt --input test.de --output test.hyp.en --beam 5
 
-Lines are read in chunks (`--buffer-size`), each chunk is batched by length and written back in input
-order. At a terminal (or with `--interactive`) every line is translated as soon as it is typed. The
-checkpoint alone is enough: it carries the architecture, the weights and the tokenizer.
+Lines are read in chunks (`--buffer-size`) by the rules of transformer/data/textfile.py (`--input` may be any
+readable path: a pipe, /dev/stdin, `<(zcat test.de.gz)`), each chunk is batched by length and written back in
+input order; a blank line stays blank. At a terminal (or with `--interactive`) every line is translated as soon
+as it is typed. The checkpoint alone is enough: it carries the architecture, the weights and the tokenizer.
 """
 import argparse
 import sys
 import time
 from pathlib import Path
-from typing import BinaryIO, Iterator, List, Optional, TextIO
+from typing import Iterator, List, TextIO
 
 from transformer.atomic import atomic_open
-from transformer.cli.common import UsageError, add_decoding_args, eval_config, pick_device, run_command
+from transformer.cli.common import (
+    UsageError,
+    add_decoding_args,
+    eval_config,
+    max_source_tokens,
+    pick_device,
+    run_command,
+    translate_lines,
+)
 from transformer.config import EvalConfig
-from transformer.data.tokenizer import encode_sources
-from transformer.decoding import translate_ids
+from transformer.data.textfile import Source, check_readable, iter_lines
 from transformer.training.checkpoint import load_model
 
 PROG = "transformer-translate"
 
 
-
-def read_chunks(stream: BinaryIO, size: Optional[int], name: str) -> Iterator[List[str]]:
-    """Lines (without line ends) in lists of `size` (None: everything at once). Each line is decoded on its
-    own, so invalid UTF-8 is reported with its own line number."""
-    chunk, number = [], 0
-    for raw in iter(stream.readline, b""):
-        number += 1
+def read_chunks(src: Source, size: int, name: str) -> Iterator[List[str]]:
+    """Lines in lists of `size`, read by the rules of transformer/data/textfile.py (an empty input is no error:
+    it has no translation); a bad byte is a usage error naming the line."""
+    lines = iter_lines(src, size, name, empty_ok=True)
+    while True:
         try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise UsageError(f"{name}, line {number}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
-        chunk.append(line.rstrip("\n").rstrip("\r"))
-        if size is not None and len(chunk) >= size:
-            yield chunk
-            chunk = []
-    if chunk:
+            chunk = next(lines)
+        except StopIteration:
+            return
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         yield chunk
 
 
@@ -49,23 +52,17 @@ def format_output(hyps, index: int, nbest: int) -> List[str]:
     return [f"{index} ||| {h.text} ||| {h.score:.4f}" for h in hyps]
 
 
-def translate_stream(model, tokenizer, cfg: EvalConfig, device, src: BinaryIO, out: TextIO,
-                     buffer_size: Optional[int], max_source_tokens: int, src_name: str = "<stdin>") -> int:
-    """Translates `src` to `out` chunk by chunk, flushing after each; returns the number of sentences."""
+def translate_stream(model, tokenizer, cfg: EvalConfig, device, src: Source, out: TextIO,
+                     buffer_size: int, max_source_tokens: int, src_name: str = "<stdin>") -> int:
+    """Translates `src` (a path or a binary stream) to `out` chunk by chunk, flushing after each; returns the
+    number of lines."""
     done = 0
     for chunk in read_chunks(src, buffer_size, src_name):
-        keep = [i for i, s in enumerate(chunk) if s.strip()]
-        ids = encode_sources(tokenizer, [chunk[i] for i in keep])
-        for k, i in enumerate(keep):
-            if len(ids[k]) > max_source_tokens:
-                print(f"{PROG}: warning: {src_name}, line {done + i + 1}: {len(ids[k])} source tokens, truncated to "
-                      f"{max_source_tokens} (--max-source-tokens)", file=sys.stderr)
-                ids[k] = ids[k][:max_source_tokens]
-        by_line = dict(zip(keep, translate_ids(model, tokenizer, ids, cfg, device), strict=False))
-        for i in range(len(chunk)):
-            if i in by_line:
-                out.write("\n".join(format_output(by_line[i], done + i, cfg.nbest)) + "\n")
-            else:  # an empty line stays empty, so output line k still answers input line k
+        nbests = translate_lines(PROG, model, tokenizer, chunk, cfg, device, max_source_tokens, src_name, done + 1)
+        for i, nbest in enumerate(nbests):
+            if nbest is not None:
+                out.write("\n".join(format_output(nbest, done + i, cfg.nbest)) + "\n")
+            else:  # a blank line stays blank, so output line k still answers input line k
                 out.write("\n" if cfg.nbest == 1 else f"{done + i} |||  ||| 0.0000\n")
         out.flush()
         done += len(chunk)
@@ -90,9 +87,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="translate every line as soon as it is read (the default when stdin is a terminal)")
     p.add_argument("--buffer-size", type=int, default=None,
                    help="lines read before translating a batch (default 1 interactively, else 10000)")
-    p.add_argument("--max-source-tokens", type=int, default=None,
-                   help="longer sources are truncated, with a warning (default: the checkpoint's data.max_len, the "
-                        "longest sentence training kept; outputs are also bounded by the model's max_positions)")
     add_decoding_args(p)
     return p
 
@@ -105,35 +99,29 @@ def main(argv=None) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.buffer_size is not None and args.buffer_size < 1:
         raise UsageError(f"--buffer-size {args.buffer_size}: must be >= 1")
-    if args.input and not Path(args.input).is_file():
-        raise UsageError(f"--input {args.input}: no such file")
+    if args.input:  # any readable path: a file, a named pipe, /dev/stdin, <(zcat test.de.gz)
+        try:
+            check_readable(args.input, f"--input {args.input}")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
     device = pick_device(args.device, args.threads)
     model, tokenizer, ckpt = load_model(args.checkpoint, device)
     cfg = eval_config(args, ckpt)
-    trained_max = ((ckpt.get("config") or {}).get("data") or {}).get("max_len") or model.args.max_positions
-    max_source = trained_max if args.max_source_tokens is None else args.max_source_tokens
-    if max_source < 1:
-        raise UsageError(f"--max-source-tokens {max_source}: must be >= 1")
+    max_source = max_source_tokens(args, ckpt, model)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")
-    src = open(args.input, "rb") if args.input else sys.stdin.buffer
+    src = args.input or sys.stdin.buffer
     interactive = args.interactive or (not args.input and sys.stdin.isatty())
     buffer_size = args.buffer_size or (1 if interactive else 10000)
+    name = args.input or "<stdin>"
     start = time.perf_counter()
-    try:
-        if args.output:
-            with output_file(Path(args.output)) as out:
-                n = translate_stream(model, tokenizer, cfg, device, src, out, buffer_size, max_source,
-                                     args.input or "<stdin>")
-        else:
-            n = translate_stream(model, tokenizer, cfg, device, src, sys.stdout, buffer_size, max_source,
-                                 args.input or "<stdin>")
-    finally:
-        if args.input:
-            src.close()
     if args.output:
+        with output_file(Path(args.output)) as out:
+            n = translate_stream(model, tokenizer, cfg, device, src, out, buffer_size, max_source, name)
         seconds = time.perf_counter() - start
         print(f"{PROG}: {n} sentences in {seconds:.1f}s -> {args.output}", file=sys.stderr)
+    else:
+        translate_stream(model, tokenizer, cfg, device, src, sys.stdout, buffer_size, max_source, name)
     return 0
 
 

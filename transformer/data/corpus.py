@@ -1,98 +1,39 @@
 """Reading parallel text: one sentence per line, PREFIX.SRC_LANG aligned line by line with PREFIX.TGT_LANG.
 
-Files are read as a stream of line chunks, so memory is set by the chunk size, never by the corpus.
-Every malformed input raises one `ValueError` naming the file (and the line where there is one).
-Lines are split on "\\n" only (a trailing "\\r" is dropped): `str.splitlines` would also split on
-U+2028, U+0085 and friends, which occur in web-crawled text and would shift the alignment.
+Files are read as a stream of line chunks, so memory is set by the chunk size, never by the corpus, and
+by the rules of transformer/data/textfile.py (line ends, byte-order mark, invalid UTF-8, gzip). Every
+malformed input raises one `ValueError` naming the file (and the line where there is one).
 """
-import gzip
 import hashlib
-import zlib
 from pathlib import Path
-from typing import Iterator, List, Tuple
+from typing import Iterator, List, Optional, Tuple
 
-_BLOCK = 1 << 20  # bytes read at a time
+from transformer.data.textfile import check_rereadable, count_lines, iter_lines, kind, read_lines
+
+__all__ = ["count_lines", "count_pairs", "file_digest", "iter_lines", "iter_pairs", "read_lines", "read_parallel",
+           "resolve"]
+
+# Why the train and valid corpora must be regular files (transformer/data/translation.py, preprocess.py).
+READ_TWICE = ("this corpus is read several times (its sha256 for the cache key, a check and line count, the "
+              "tokenizer's sample, the encoding)")
 
 
-def resolve(prefix: str, lang: str) -> Path:
-    """PREFIX.LANG, or PREFIX.LANG.gz; exactly one of them must exist."""
+def resolve(prefix: str, lang: str, key: Optional[str] = None, read_once: bool = False) -> Path:
+    """PREFIX.LANG, or PREFIX.LANG.gz; exactly one of them must exist, and not be a folder. Unless `read_once`
+    (a test set), a regular file, not a pipe. `key` (e.g. "data.files.train=corpus/train") starts those errors."""
     plain = Path(f"{prefix}.{lang}").expanduser()
     gz = Path(f"{plain}.gz")
     if plain.exists() and gz.exists():
         raise ValueError(f"both {plain} and {gz} exist: remove one so it is clear which is the corpus")
-    if plain.exists():
-        return plain
-    if gz.exists():
-        return gz
-    raise ValueError(f"corpus file not found: {plain} (nor {gz.name})")
-
-
-def _split(data: bytes, path: Path, newlines_before: int, bytes_before: int) -> List[str]:
-    """Lines of `data`, a run of complete lines (or the file's unterminated last line)."""
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line = newlines_before + data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path}, line {line}: invalid UTF-8 ({e.reason} at byte {bytes_before + e.start})") from None
-    lines = text.split("\n")
-    if lines[-1] == "":
-        lines.pop()  # the final newline ends the last line; it does not start an empty one
-    if "\r" in text:
-        lines = [ln[:-1] if ln.endswith("\r") else ln for ln in lines]
-    return lines
-
-
-def iter_lines(path: Path, chunk_lines: int = 10000) -> Iterator[List[str]]:
-    """Lists of `chunk_lines` lines (the last may be shorter) of a UTF-8 text file, gzip if it ends in .gz,
-    without line ends. A file without any non-blank character raises "file is empty" once read through."""
-    path = Path(path)
-    newlines = nbytes = 0
-    rest, buf, first, blank = b"", [], True, True
-    try:
-        with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
-            while True:
-                block = f.read(_BLOCK)
-                data = rest + block
-                if block:
-                    cut = data.rfind(b"\n") + 1
-                    data, rest = data[:cut], data[cut:]
-                    if not data:
-                        continue
-                elif not data:
-                    break
-                lines = _split(data, path, newlines, nbytes)
-                if first and lines and lines[0].startswith("\ufeff"):
-                    lines[0] = lines[0][1:]  # a byte-order mark is not part of the first sentence
-                first = False
-                if blank and any(ln.strip() for ln in lines):
-                    blank = False
-                newlines, nbytes = newlines + data.count(b"\n"), nbytes + len(data)
-                i = 0
-                while i < len(lines):
-                    take = chunk_lines - len(buf)
-                    buf.extend(lines[i:i + take])
-                    i += take
-                    if len(buf) == chunk_lines:
-                        yield buf
-                        buf = []
-                if not block:
-                    break
-    except (OSError, EOFError, zlib.error) as e:  # includes gzip.BadGzipFile and a truncated .gz
-        raise ValueError(f"{path}: cannot read: {e}") from None
-    if blank:
-        raise ValueError(f"{path}: file is empty")
-    if buf:
-        yield buf
-
-
-def read_lines(path: Path) -> List[str]:
-    """All lines of a file (see `iter_lines`): for test sets and other small files."""
-    return [ln for chunk in iter_lines(path, 1 << 16) for ln in chunk]
-
-
-def count_lines(path: Path) -> int:
-    """Reads `path` through, checking it as `iter_lines` does, and counts its lines."""
-    return sum(len(chunk) for chunk in iter_lines(path, 1 << 16))
+    if not plain.exists() and not gz.exists():
+        raise ValueError(f"corpus file not found: {plain} (nor {gz.name})")
+    path = plain if plain.exists() else gz
+    label = f"{key}: {path}" if key else str(path)
+    if kind(path) == "folder":
+        raise ValueError(f"{label} is a folder, not a file")
+    if not read_once:
+        check_rereadable(path, key or str(path), READ_TWICE)
+    return path
 
 
 def _mismatch(src_path: Path, n_src: int, tgt_path: Path, n_tgt: int) -> ValueError:

@@ -28,9 +28,10 @@ _BAD_INPUT = (DownloadError, FileNotFoundError, ValueError)  # most specific fir
 
 
 def split_files(cfg, split: str, progress: bool = True, download: bool = True,
-                root_key: str = "data.root") -> Tuple[Path, Path]:
+                root_key: str = "data.root", read_once: bool = False) -> Tuple[Path, Path]:
     """(source file, target file) of `split`, downloading Multi30k files that are not there yet (unless
-    `download` is False: then a missing file is an error whose hint names `root_key`)."""
+    `download` is False: then a missing file is an error whose hint names `root_key`). data.files may name
+    pipes only for a split that is `read_once` (a test set)."""
     d = cfg.data
     if d.src_lang == d.tgt_lang:
         raise ValueError(f"data.src_lang and data.tgt_lang are both {d.src_lang!r}")
@@ -45,7 +46,8 @@ def split_files(cfg, split: str, progress: bool = True, download: bool = True,
         if split not in files or not files[split]:
             raise ValueError(f"data.files.{split} is not set (data.files has: {', '.join(files) or 'nothing'}): "
                              f"pass data.files.{split}=PATH_PREFIX for PATH_PREFIX.{d.src_lang} / .{d.tgt_lang}")
-        return resolve(files[split], d.src_lang), resolve(files[split], d.tgt_lang)
+        key = f"data.files.{split}={files[split]}"
+        return resolve(files[split], d.src_lang, key, read_once), resolve(files[split], d.tgt_lang, key, read_once)
     if d.name == "wmt14":
         from transformer.data.wmt14 import wmt14_files
         return wmt14_files(d, split, progress, download, root_key)
@@ -55,7 +57,7 @@ def split_files(cfg, split: str, progress: bool = True, download: bool = True,
 def load_split(cfg, name: str, progress: bool = True, download: bool = True,
                root_key: str = "data.root") -> Tuple[List[str], List[str]]:
     """Raw (source, target) sentences of any split, e.g. `test_2016_flickr`, unfiltered and in file order."""
-    src_path, tgt_path = split_files(cfg, name, progress, download, root_key)
+    src_path, tgt_path = split_files(cfg, name, progress, download, root_key, read_once=True)
     return read_parallel(src_path, tgt_path)
 
 
