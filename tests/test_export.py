@@ -249,7 +249,7 @@ def spacy_checkpoint(path):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--to", "hf"], "tokenizer=spacy: a Hugging Face export needs tokenizer=bpe"),
+    (["--to", "hf"], "tokenizer=spacy: a Hugging Face export needs tokenizer=bpe or sentencepiece; spaCy's"),
     (["--to", "ctranslate2", "--quantization", "int8", "--out", "OUT/x"], "--out OUT/x: folder OUT does not exist"),
     (["--to", "hf", "--quantization", "int8"], "--quantization int8: only with --to ctranslate2"),
     (["--to", "ctranslate2", "--out", "CKPT"], "exists and is not an empty folder"),

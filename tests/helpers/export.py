@@ -1,4 +1,4 @@
-"""A small BPE tokenizer and models trained on it in seconds, for the export and import tests."""
+"""Small BPE and SentencePiece tokenizers and models trained on them in seconds, for the export and import tests."""
 import functools
 
 import numpy as np
@@ -23,6 +23,9 @@ PAIRS = [
     ("Drei Leute warten auf den Bus.", "Three people wait for the bus."),
 ]
 SRC = [s for s, _ in PAIRS]
+# A few hundred numbered variations of PAIRS: what the SentencePiece vocabularies learn from.
+LINES = [f"{s[:-1]} {i % 13} {word}." for i in range(150) for s, word in ((PAIRS[i % 10][0], "mal"),
+                                                                          (PAIRS[i % 10][1], "times"))]
 
 
 @functools.cache
@@ -33,10 +36,25 @@ def tokenizer(seen: bool = False) -> BpeTokenizer:
 
 
 @functools.cache
+def spm_tokenizer(seen: bool = False, model_type: str = "unigram", byte_fallback: bool = False):
+    """tokenizer=sentencepiece learnt from LINES (120 pieces, or 376 with byte_fallback); `seen` as above."""
+    from transformer.data.spm import SentencePieceTokenizer
+    tok = SentencePieceTokenizer.train(LINES, 120 + 256 * byte_fallback, model_type, byte_fallback=byte_fallback,
+                                       threads=1, src_lang="de", tgt_lang="en")
+    return tok.seen_targets_first([[t for _, t in PAIRS]]) if seen else tok
+
+
+def vocabulary(kind: str = "bpe", seen: bool = False):
+    """The tokenizer of a model of `kind` (bpe, or a unigram sentencepiece)."""
+    return spm_tokenizer(seen) if kind == "sentencepiece" else tokenizer(seen)
+
+
+@functools.cache
 def trained_model(tie: str = "decoder", seen: bool = False, norm_first: bool = False, steps: int = 60,
-                  activation: str = "relu", output_bias: bool = False) -> Transformer:
-    """A 2+1-layer model that has memorised PAIRS (so its outputs are sentences, not one repeated token)."""
-    tok = tokenizer(seen)
+                  activation: str = "relu", output_bias: bool = False, kind: str = "bpe") -> Transformer:
+    """A 2+1-layer model that has memorised PAIRS (so its outputs are sentences, not one repeated token), on
+    `vocabulary(kind, seen)`."""
+    tok = vocabulary(kind, seen)
     torch.manual_seed(0)
     cfg = ModelConfig(N=2, N_dec=1, d_model=32, d_ff=64, h=4, dropout=0.0, tie_embeddings=tie, norm_first=norm_first,
                       max_positions=64, activation=activation, output_bias=output_bias)
@@ -66,16 +84,17 @@ def read_gz(path) -> list:
         return [line.rstrip("\n") for line in f]
 
 
-def multi30k_model(folder, seconds: float, vocab_size: int = 2000, seed: int = 0):
+def multi30k_model(folder, seconds: float, vocab_size: int = 2000, seed: int = 0, name: str = "bpe"):
     """A model=tiny-sized model (tie_embeddings=all, tokenizer.tgt_vocab=seen, as the recipe) trained on
-    Multi30k de->en for `seconds` of wall time, in this process: (model in eval mode, tokenizer, steps)."""
+    Multi30k de->en for `seconds` of wall time, in this process: (model in eval mode, tokenizer, steps).
+    `name`: tokenizer.name, bpe or sentencepiece (unigram)."""
     import time
 
     from transformer.data.config import TokenizerConfig
     from transformer.data.tokenizer import train_tokenizer
 
     src, tgt = read_gz(f"{folder}/train.de.gz"), read_gz(f"{folder}/train.en.gz")
-    tok = train_tokenizer(TokenizerConfig(name="bpe", vocab_size=vocab_size, tgt_vocab="seen"), "de", "en", src, tgt)
+    tok = train_tokenizer(TokenizerConfig(name=name, vocab_size=vocab_size, tgt_vocab="seen"), "de", "en", src, tgt)
     torch.manual_seed(seed)
     cfg = ModelConfig(N=2, d_model=128, d_ff=256, h=4, dropout=0.1, tie_embeddings="all", max_positions=256)
     model = Transformer.from_config(cfg, tok.src_vocab_size, tok.tgt_vocab_size, shared_vocab=True)

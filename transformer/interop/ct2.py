@@ -3,7 +3,9 @@ every tie_embeddings choice, the position table as this project computes it).
 
 A CTranslate2 translator works on token strings: a source is its tokens plus "</s>" (the project's batches
 append it), and outputs start from "<s>". The exported folder also holds the tokenizer: tokenizer.json
-(tokenizer=bpe, loadable with `tokenizers`) or the project's tokenizer state (transformer_tokenizer.json).
+(tokenizer=bpe, loadable with `tokenizers`), sentencepiece.model (tokenizer=sentencepiece: its pieces are the
+vocabulary's strings, its ids ours), source.spm and target.spm (an imported OPUS-MT model), and always the
+project's tokenizer state (transformer_tokenizer.json).
 """
 import json
 import math
@@ -31,11 +33,13 @@ def _vocabularies(tokenizer, args):
         src, tgt = list(tokenizer.src_vocab.itos), list(tokenizer.tgt_vocab.itos)
     elif getattr(tokenizer, "name", None) == "bpe":
         src = tgt = [tokenizer.tok.id_to_token(i) for i in range(tokenizer.tok.get_vocab_size())]
+    elif getattr(tokenizer, "name", None) == "sentencepiece":  # the model's own pieces, by id
+        src = tgt = tokenizer.src_tokens(range(tokenizer.src_vocab_size))
     elif getattr(tokenizer, "name", None) == "sentencepiece_pair":  # an imported OPUS-MT model
         src = tgt = list(tokenizer.pieces)
     else:
-        raise InteropError(f"tokenizer={getattr(tokenizer, 'name', '?')}: CTranslate2 export needs bpe, spacy or "
-                           "sentencepiece_pair")
+        raise InteropError(f"tokenizer={getattr(tokenizer, 'name', '?')}: CTranslate2 export needs bpe, "
+                           "sentencepiece, spacy or sentencepiece_pair")
     if len(set(src)) != len(src) or len(set(tgt)) != len(tgt):
         raise InteropError("the vocabulary has two types with the same string: CTranslate2 looks tokens up by string")
     return src[:args.src_vocab_size], tgt[:args.tgt_vocab_size]
@@ -133,7 +137,7 @@ def export_ct2(model, tokenizer, out, quantization: Optional[str] = None) -> Pat
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
     try:
         spec.save(str(tmp))
-        if tokenizer.name in ("bpe", "sentencepiece_pair"):
+        if tokenizer.name in ("bpe", "sentencepiece", "sentencepiece_pair"):
             tokenizer.save(tmp)
         (tmp / "transformer_tokenizer.json").write_text(json.dumps(tokenizer.state_dict(), ensure_ascii=False),
                                                         encoding="utf-8")

@@ -4,7 +4,8 @@ Marian in `transformers` is this model exactly when the model is post-norm: the 
 activation (model.activation), token embeddings scaled by sqrt(d_model), a sinusoidal table with the same
 frequencies (laid out differently: `names.py` permutes the residual stream), key biases (ours has none: zeros,
 which softmax ignores), and an output bias (model.output_bias, else zeros). What Marian cannot hold is refused
-with one line (`export_refusal`, `import_hf`).
+with one line (`export_refusal`, `import_hf`). The tokenizer goes as a fast tokenizer.json (tokenizer=bpe) or as
+`MarianTokenizer`'s files (tokenizer=sentencepiece, and imported OPUS-MT models), which segment with sentencepiece.
 """
 import json
 import shutil
@@ -38,10 +39,13 @@ HF_ACTIVATIONS = {"relu": "relu", "swish": "swish", "silu": "swish", "gelu": "ge
 
 def export_refusal(args, tokenizer) -> Optional[str]:
     """Why a model (ModelArgs) and its tokenizer cannot become a MarianMTModel directory; None when they can."""
-    if getattr(tokenizer, "name", None) not in ("bpe", "sentencepiece_pair"):
-        return (f"tokenizer={getattr(tokenizer, 'name', '?')}: a Hugging Face export needs tokenizer=bpe (a "
-                "tokenizer.json); spaCy's rule-based tokenisation has no fast-tokenizer equivalent "
-                "(--to ctranslate2 takes its vocabularies)")
+    name = getattr(tokenizer, "name", "?")
+    if name not in ("bpe", "sentencepiece", "sentencepiece_pair"):
+        why = {"spacy": "spaCy's rule-based tokenisation has no Hugging Face tokenizer equivalent (--to ctranslate2 "
+                        "takes its vocabularies)",
+               "copy": "the copy task's numbered symbols are no text (--to ctranslate2 takes them)"}
+        return f"tokenizer={name}: a Hugging Face export needs tokenizer=bpe or sentencepiece; " + \
+            why.get(name, "no Hugging Face tokenizer holds it")
     if args.norm_first:
         return ("model.norm_first=true: MarianMTModel is post-norm, and no standard Hugging Face translation "
                 "class holds a pre-norm model with this position table exactly (--to ctranslate2 does)")
@@ -109,6 +113,37 @@ def fast_tokenizer(tokenizer, max_positions: int):
                                    bos_token=SPECIALS[BOS], eos_token=SPECIALS[EOS], model_max_length=max_positions)
 
 
+def marian_pair(tokenizer):
+    """A `tokenizer=sentencepiece` tokenizer as `MarianTokenizer`'s files hold it: its one model for both sides and
+    vocab.json numbering each piece by its own id, so that `transformers` gives the project's ids (both segment
+    with sentencepiece itself)."""
+    from transformer.data.spm_pair import SentencePiecePairTokenizer
+
+    pieces = tokenizer.src_tokens(range(tokenizer.src_vocab_size))
+    return SentencePiecePairTokenizer(tokenizer.proto, tokenizer.proto, pieces,
+                                      {SPECIALS[i]: i for i in (PAD, UNK, EOS)}, tokenizer.src_lang, tokenizer.tgt_lang)
+
+
+def sentencepiece_state(path: Path, V: int, n_out: int, meta: dict) -> dict:
+    """The `tokenizer=sentencepiece` state of a folder this project exported from one (META_FILE says so): its
+    source.spm, which must also be target.spm and number vocab.json's V pieces with their own ids."""
+    from transformer.data.spm import SentencePieceTokenizer
+
+    what = f"{path}: {META_FILE} says tokenizer=sentencepiece, but"
+    try:
+        src, tgt = ((path / f).read_bytes() for f in ("source.spm", "target.spm"))
+        tok = SentencePieceTokenizer(src, meta.get("src_lang", ""), meta.get("tgt_lang", ""), n_out)
+    except (OSError, RuntimeError, ValueError) as e:
+        raise InteropError(f"{what} source.spm does not load as this project's ({str(e).strip() or type(e).__name__})"
+                           ) from None
+    pieces = tok.src_tokens(range(tok.src_vocab_size))
+    if src != tgt or _read_json(path / "vocab.json", "vocab.json") != {p: i for i, p in enumerate(pieces)} \
+            or len(pieces) != V:
+        raise InteropError(f"{what} source.spm, target.spm, vocab.json and config.json vocab_size={V} are not one "
+                           "SentencePiece model numbered by its own ids")
+    return tok.state_dict()
+
+
 def export_hf(model, tokenizer, ckpt: dict, out) -> Path:
     """Writes `out` (a new or empty folder) as a MarianMTModel directory: config, generation settings (the
     checkpoint's eval settings), safetensors weights, fast tokenizer. Written beside `out`, then renamed."""
@@ -133,10 +168,13 @@ def export_hf(model, tokenizer, ckpt: dict, out) -> Path:
         hf.save_pretrained(tmp, safe_serialization=True)
         if tokenizer.name == "sentencepiece_pair":  # an imported OPUS-MT model: MarianTokenizer's files again
             write_marian_tokenizer(tokenizer, tmp, model.args.max_positions)
+        elif tokenizer.name == "sentencepiece":
+            write_marian_tokenizer(marian_pair(tokenizer), tmp, model.args.max_positions)
         else:
             fast_tokenizer(tokenizer, model.args.max_positions).save_pretrained(tmp)
-        meta = {"src_lang": tokenizer.src_lang, "tgt_lang": tokenizer.tgt_lang, "tgt_vocab_size":
-                model.args.tgt_vocab_size, "eval": (ckpt.get("config") or {}).get("eval"), "lenpen": lenpen}
+        meta = {"tokenizer": tokenizer.name, "src_lang": tokenizer.src_lang, "tgt_lang": tokenizer.tgt_lang,
+                "tgt_vocab_size": model.args.tgt_vocab_size, "eval": (ckpt.get("config") or {}).get("eval"),
+                "lenpen": lenpen}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
         replace_dir(tmp, out)
     except BaseException:
@@ -203,12 +241,17 @@ def import_hf(path) -> dict:
     if not (path / "config.json").is_file():
         raise InteropError(f"{path}: a folder, but not a Hugging Face model (no config.json)")
     cfg = _read_json(path / "config.json", "config.json")
+    meta = _read_json(path / META_FILE, META_FILE) if (path / META_FILE).is_file() else {}
     spm = is_sentencepiece_folder(path)
+    own_spm = spm and meta.get("tokenizer") == "sentencepiece"  # exported from tokenizer=sentencepiece: our ids
+    spm = spm and not own_spm  # renumbered from Marian's order
     why = _import_refusal(cfg, fixed_ids=not spm)
     if why:
         raise InteropError(f"{path}: {why}")
     if spm:  # a released OPUS-MT folder: Marian's vocabulary order and SentencePiece files
         tok_state, rows, never = read_vocabulary(path, cfg)
+    elif own_spm:
+        pass  # its state once the output rows are known
     elif not (path / "tokenizer.json").is_file():
         raise InteropError(f"{path}: no tokenizer.json (a fast tokenizer), nor MarianTokenizer's source.spm, "
                            "target.spm and vocab.json")
@@ -238,11 +281,16 @@ def import_hf(path) -> dict:
         raise InteropError(f"{path}: shared encoder/decoder embeddings with an untied output layer: here the "
                            "shared matrix is also the output layer (model.tie_embeddings=all)")
     V = len(rows) if spm else int(cfg["vocab_size"])
-    if not spm and tok.get_vocab_size() != V:
+    if not spm and not own_spm and tok.get_vocab_size() != V:
         raise InteropError(f"{path}: tokenizer.json has {tok.get_vocab_size()} types, config.json vocab_size={V}")
     bias = hf_state["final_logits_bias"].flatten().float()
     n_out = _output_rows(bias)
-    meta = _read_json(path / META_FILE, META_FILE) if (path / META_FILE).is_file() else {}
+    if own_spm:
+        tok_state = sentencepiece_state(path, V, n_out, meta)
+    elif spm and n_out < V:
+        raise InteropError(f"{path}: final_logits_bias leaves {V - n_out} of {V} rows unscored "
+                           f"(tokenizer.tgt_vocab=seen), which MarianTokenizer's files cannot say without the "
+                           f"{META_FILE} of this project's export")
     args = ModelArgs(N=cfg["encoder_layers"], N_dec=cfg["decoder_layers"], d_model=cfg["d_model"],
                      d_ff=cfg["encoder_ffn_dim"], h=cfg["encoder_attention_heads"], dropout=float(cfg["dropout"]),
                      norm_first=False, tie_embeddings="all" if share else "decoder" if tied else "none",
@@ -261,7 +309,7 @@ def import_hf(path) -> dict:
     extra = sorted(set(hf_state) - used)
     if extra:
         raise InteropError(f"{path}: weights with no counterpart here: {', '.join(extra[:3])}")
-    if not spm:
+    if not spm and not own_spm:
         tok.post_processor = None  # the project's batches add </s> themselves
         tok_state = {"name": "bpe", "src_lang": meta.get("src_lang", ""), "tgt_lang": meta.get("tgt_lang", ""),
                      "json": tok.to_str()}
