@@ -2,8 +2,9 @@
 
 A reader, or a crash at any moment, sees the old file or the complete new one, never a partial one.
 `tempfile.mkstemp` creates its file with mode 0600; the finished file gets the mode a plain `open()`
-would give (0666 minus the umask), so a teammate, or a container running as another user, can read
-the checkpoints, downloads and outputs of a run.
+would give (0666 minus the umask), and a folder built beside its target (`temp_dir_beside`) that of a plain
+mkdir, so a teammate, or a container running as another user, can read the checkpoints, downloads, exports
+and outputs of a run.
 """
 import contextlib
 import os
@@ -91,6 +92,17 @@ def atomic_open(path, mode: str = "wb", suffix: str = ".tmp", encoding: str | No
             e.filename = str(path)  # a failed write or flush names no file: name the one being written
         raise
     fsync_dir(path.parent)
+
+
+def temp_dir_beside(out) -> Path:
+    """A new, empty folder beside `out`, to be filled and then renamed to `out`. It gets the mode a plain
+    mkdir gives (0777 minus the umask), not `tempfile.mkdtemp`'s 0700, which the rename would keep: another
+    user, or a container running as another uid, could not read the finished folder."""
+    out = Path(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
+    with contextlib.suppress(OSError):  # a file system without Unix modes keeps its own
+        os.chmod(tmp, 0o777 & ~_umask())
+    return tmp
 
 
 def write_text_atomic(path, text: str) -> None:

@@ -10,12 +10,12 @@ project's tokenizer state (transformer_tokenizer.json).
 import json
 import math
 import shutil
-import tempfile
 from pathlib import Path
 from typing import List, Optional
 
 import torch
 
+from transformer.atomic import temp_dir_beside
 from transformer.interop import InteropError, check_out_dir, replace_dir
 from transformer.model.projections import split_projections
 from transformer.model.transformer import sinusoidal_positions
@@ -134,7 +134,7 @@ def export_ct2(model, tokenizer, out, quantization: Optional[str] = None) -> Pat
     spec = ct2_spec(model, tokenizer)
     spec.validate()
     spec.optimize(quantization=quantization)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
+    tmp = temp_dir_beside(out)  # not mkdtemp's 0700: the umask's mode, as every file written
     try:
         spec.save(str(tmp))
         if tokenizer.name in ("bpe", "sentencepiece", "sentencepiece_pair"):

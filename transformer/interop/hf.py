@@ -9,12 +9,12 @@ with one line (`export_refusal`, `import_hf`). The tokenizer goes as a fast toke
 """
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from transformer.atomic import temp_dir_beside
 from transformer.checkpoint_files import FORMAT
 from transformer.interop import InteropError, check_out_dir, replace_dir
 from transformer.interop.names import from_marian, marian_name, separate_keys, to_marian
@@ -163,7 +163,7 @@ def export_hf(model, tokenizer, ckpt: dict, out) -> Path:
     hf.generation_config = GenerationConfig(
         decoder_start_token_id=BOS, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, forced_eos_token_id=None,
         max_length=model.args.max_positions, suppress_tokens=[PAD, BOS], **beam)  # never output by the project
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.absolute().parent))
+    tmp = temp_dir_beside(out)  # not mkdtemp's 0700: the umask's mode, as every file written
     try:
         hf.save_pretrained(tmp, safe_serialization=True)
         if tokenizer.name == "sentencepiece_pair":  # an imported OPUS-MT model: MarianTokenizer's files again

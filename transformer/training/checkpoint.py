@@ -95,14 +95,23 @@ def atomic_link(src: Path, dst: Path) -> None:
         except OSError as e:
             if machine_error(e) is not None:  # a full disk: no copy would fit either
                 raise
-            import shutil
             try:
-                shutil.copyfile(src, tmp)
+                _copy_synced(src, tmp)
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
         os.replace(tmp, dst)
     fsync_dir(dst.parent)
+
+
+def _copy_synced(src: Path, dst: Path) -> None:
+    """A copy of `src` whose bytes are on disk before it is renamed into place: a crash after the rename must
+    not leave a last.pt or best.pt of the right name and no contents."""
+    import shutil
+    with open(src, "rb") as r, open(dst, "wb") as w:
+        shutil.copyfileobj(r, w, 1 << 20)
+        w.flush()
+        os.fsync(w.fileno())
 
 
 def load_checkpoint(path, map_location="cpu") -> dict:
