@@ -154,3 +154,22 @@ def test_resume_with_bpe_dropout_is_bit_exact(tmp_path):
     run(tmp_path / "run", "trainer.max_steps=3")
     assert "resumed from" in run(tmp_path / "run").stderr
     assert_same_state(last_ckpt(tmp_path / "run"), ref)
+
+
+def test_a_requeue_of_a_run_started_from_path_goes_on_from_its_own_checkpoint(tmp_path, ref_one):
+    """trainer.resume=PATH only starts a run: the same command again (a Slurm requeue, a torchrun restart) goes
+    on from the newest checkpoint the run directory holds since, not from PATH, whose later steps it would redo."""
+    train(tmp_path / "src", *ONE, "trainer.max_steps=4", cwd=tmp_path)
+    path = tmp_path / "src" / "checkpoints" / "step_00000004.pt"
+    run, command = tmp_path / "run", (*ONE, f"trainer.resume={path}")
+    first = train(run, *command, cwd=tmp_path)
+    assert f"resumed from {path} at step 4" in first.stderr
+    assert_same_state(last_ckpt(run), last_ckpt(ref_one))  # another run directory continues exactly too
+    again = train(run, *command, cwd=tmp_path)
+    own = run / "checkpoints" / "step_00000009.pt"
+    assert f"resumed from {own} at step 9" in again.stderr, again.stderr[-3000:]
+    assert f"newer than trainer.resume={path} (step 4)" in again.stderr
+    trained = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()
+               if json.loads(line)["split"] == "train"]
+    assert trained == sorted(set(trained)) and max(trained) == 9  # no step trained twice
+    assert_same_state(last_ckpt(run), last_ckpt(ref_one))

@@ -186,25 +186,49 @@ def load_model(path, device="cpu"):
 
 class Checkpointer:
     """Files under `<run_dir>/checkpoints/`: step_<N>.pt (the last `keep_last` kept), last.pt and best.pt
-    (hard links to step files, so each state is written once). Only rank 0 ever calls `save`."""
+    (hard links to step files, so each state is written once). Only rank 0 ever calls `save`.
+
+    A run goes on from the step it started at: step files after it are of an abandoned line of training (a
+    rewind with trainer.resume=PATH, a corrupt newest file skipped). Until this run's first checkpoint removes
+    them they are not its own: not resumed, averaged or taken for its last checkpoint."""
 
     def __init__(self, run_dir: Path, keep_last: int):
         self.folder = Path(run_dir) / FOLDER
         self.keep_last = keep_last
+        self.origin: Optional[dict] = None  # the trainer.resume=PATH this line started from, saved in each file
+        self.started_at: Optional[int] = None  # the step this run started at; None until it has (or once it saved)
 
     def step_files(self):
-        """(step, path) pairs, newest first."""
-        return step_files(self.folder)
+        """(step, path) pairs, newest first, of this line of training."""
+        files = step_files(self.folder)
+        return files if self.started_at is None else [(s, p) for s, p in files if s <= self.started_at]
+
+    def later_files(self) -> List[Path]:
+        """The step files after the step this run started at, oldest first: another line's, which its first save
+        removes."""
+        files = step_files(self.folder)[::-1]
+        return [] if self.started_at is None else [p for s, p in files if s > self.started_at]
 
     def save(self, state: dict, step: int, is_best: bool) -> Path:
         path = self.folder / f"step_{step:08d}.pt"
         self.folder.mkdir(exist_ok=True)  # not its parents: a run directory that vanished is not made again
-        atomic_save(state, path)
+        atomic_save({**state, ORIGIN: self.origin} if self.origin is not None else state, path)
         atomic_link(path, self.folder / "last.pt")
         if is_best:
             atomic_link(path, self.folder / "best.pt")
-        for _, old in self.step_files()[self.keep_last:]:
+        # By step number among this line's files, so never the one just written: a rewound run's new files are
+        # older than an abandoned line's, which would otherwise outnumber them and be kept instead.
+        files = step_files(self.folder)
+        later = [p for s, p in files if s > step]
+        if later:
+            log.warning("removed %s: checkpoints after step %d, of the line of training this run abandoned",
+                        ", ".join(p.name for p in reversed(later)), step)
+        # The file this line started from stays: every rerun names it, and the command line checks it exists.
+        start = (self.origin or {}).get("path")
+        pruned = [p for s, p in files if s <= step][self.keep_last:]
+        for old in later + [p for p in pruned if not same_file(p, start)]:
             old.unlink(missing_ok=True)
+        self.started_at = None  # nothing after `step` is left
         return path
 
     def target(self, link: Path) -> Path:
@@ -231,3 +255,36 @@ class Checkpointer:
             except CheckpointError as e:
                 log.warning("skipping corrupt checkpoint: %s", e)
         return None
+
+    def resume_from(self, path: str) -> Tuple[str, Optional[dict], str]:
+        """trainer.resume=PATH only starts a line of training: once this run directory holds a good checkpoint
+        written since a run started from PATH (the same command again: a Slurm requeue, a torchrun restart),
+        the newest such file wins. Returns (the file to load, its contents if already read, why)."""
+        found = self.find_resume()
+        if found is None:
+            return path, None, f"trainer.resume={path}; the run directory holds no checkpoint yet"
+        own, ckpt = found
+        step = ckpt.get("trainer", {}).get("step")
+        if same_file(own, path):
+            return str(own), ckpt, f"trainer.resume={path}"
+        origin = ckpt.get(ORIGIN) or {}
+        if same_file(origin.get("path", ""), path):
+            return (str(own), ckpt, f"this run's newest checkpoint, newer than trainer.resume={path} (step "
+                    f"{origin.get('step')}), which the run started from")
+        # The run directory's files are of another line (a rewind to an earlier file of this run, say): not ours.
+        return path, None, f"trainer.resume={path}; {own.name} (step {step}) was not trained from it"
+
+
+# A checkpoint's record of the trainer.resume=PATH its line of training started from: {"path", "step"}
+ORIGIN = "started_from"
+
+
+def same_file(a, b) -> bool:
+    """`a` and `b` name the same file: one inode (best.pt and its step file, say), else one path (a file gone
+    since it was recorded)."""
+    if not a or not b:
+        return False
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.realpath(a) == os.path.realpath(b)

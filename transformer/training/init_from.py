@@ -13,7 +13,7 @@ from typing import Optional
 
 from transformer.config import ConfigError, to_container
 from transformer.data.tokenizer import tokenizer_from_state
-from transformer.training.checkpoint import load_checkpoint
+from transformer.training.checkpoint import load_checkpoint, model_weights
 
 # model args a fine-tuning run may change: rates, not weights
 FREE_AT_INIT = ("dropout", "attention_dropout", "ffn_dropout")
@@ -25,14 +25,21 @@ class InitFrom:
     weights: dict  # what Trainer.load_weights takes: {"model_args": ..., "model": state dict}
     tokenizer_state: dict  # tokenizer_from_state() rebuilds the tokenizer the weights were trained with
     config: dict = field(default_factory=dict)  # the config it was trained with ({} if unknown)
+    which: str = "its weights"  # which of the checkpoint's weights, for the log
 
 
 def read_init_from(path: str) -> InitFrom:
+    """The weights validation scored: the weight average of a run with trainer.ema_decay (by which its best.pt
+    was chosen), else the trained weights. Nothing else of the checkpoint is kept (its optimiser state alone is
+    twice the model)."""
     ckpt = load_checkpoint(path)
     config = ckpt.get("config") or {}
     if "tokenizer" not in config:  # a Hugging Face folder: its tokenizer's settings, as far as its state says them
         config = {**config, "tokenizer": tokenizer_settings(ckpt["tokenizer"])}
-    return InitFrom(path, ckpt, ckpt["tokenizer"], config)
+    which = ("its weight average (trainer.ema_decay), which its validation scored" if "ema" in ckpt
+             else "its trained weights")
+    weights = {"model_args": ckpt.get("model_args"), "model": model_weights(ckpt)}
+    return InitFrom(path, weights, ckpt["tokenizer"], config, which)
 
 
 def tokenizer_settings(state: dict) -> dict:

@@ -28,7 +28,7 @@ from transformer.environment import describe, machine_error
 from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training import speedups
-from transformer.training.checkpoint import CheckpointError, changed_settings, load_checkpoint
+from transformer.training.checkpoint import ORIGIN, CheckpointError, changed_settings, load_checkpoint, same_file
 from transformer.training.init_from import FREE_AT_INIT, InitFrom, check_tokenizer, prepare_init_from, read_init_from
 from transformer.training.logs import setup_logging, start_file_log, warn
 from transformer.training.microbatch import fit_micro_batch
@@ -184,19 +184,22 @@ def accept(run_dir: Path, snapshot: Dict[str, str], trainer: Trainer) -> None:
 
 def restore(trainer: Trainer, cfg, env: dist.DistEnv, init: Optional[InitFrom] = None) -> None:
     """trainer.resume: auto = the run directory's newest good checkpoint (rank 0 picks it, all load it;
-    multi-node runs need the run directory on a shared file system), none, or a path."""
-    resume, path, ckpt = cfg.trainer.resume, None, None
+    multi-node runs need the run directory on a shared file system), none, or a path, which only starts the
+    run: a rerun takes the newest checkpoint the run directory holds since (`Checkpointer.resume_from`)."""
+    resume, path, ckpt, why = cfg.trainer.resume, None, None, ""
+    ck = trainer.checkpointer
     if resume == "auto":
-        found = trainer.checkpointer.find_resume() if trainer.checkpointer is not None else None
+        found = ck.find_resume() if ck is not None else None
         path = env.broadcast_object(str(found[0]) if found else None)
         ckpt = found[1] if found else None  # rank 0 has read it already
     elif resume != "none":
-        path = resume
+        path, ckpt, why = ck.resume_from(resume) if ck is not None else (resume, None, "")
+        path = env.broadcast_object(path)
     if path is not None:
         ckpt = ckpt if ckpt is not None else load_checkpoint(path)
         trainer.load_state_dict(ckpt, path)
-        log.info("resumed from %s at step %d (epoch %d, batch %d)", path, trainer.step, trainer.epoch,
-                 trainer.batch_index)
+        log.info("resumed from %s at step %d (epoch %d, batch %d)%s", path, trainer.step, trainer.epoch,
+                 trainer.batch_index, f": {why}" if why else "")
         changed = changed_settings(ckpt.get("config", {}), to_container(cfg))
         if changed:  # the weights, optimiser and RNG states continue; the new values apply from here on
             warn(f"resumed with settings other than those {path} was trained with: {'; '.join(changed)}. "
@@ -204,7 +207,15 @@ def restore(trainer: Trainer, cfg, env: dist.DistEnv, init: Optional[InitFrom] =
     elif cfg.trainer.init_from:
         init = init if init is not None else read_init_from(cfg.trainer.init_from)
         trainer.load_weights(init.weights, init.path, free=FREE_AT_INIT)
-        log.info("initialised weights and tokenizer from %s", init.path)
+        log.info("initialised weights and tokenizer from %s (%s)", init.path, init.which)
+    if ck is not None:
+        started = resume not in ("auto", "none") and same_file(path, resume)  # a line of training starts here
+        ck.origin = {"path": os.path.realpath(resume), "step": trainer.step} if started else (ckpt or {}).get(ORIGIN)
+        ck.started_at = trainer.step
+        later = ck.later_files()
+        if later:
+            warn(f"{ck.folder} holds checkpoints after step {trainer.step}, of another line of training than this "
+                 f"run's ({', '.join(p.name for p in later)}): this run's first checkpoint removes them")
 
 
 def _spawned(local_rank: int, world_size: int, cfg_dict: dict, run_dir: str, port: int,

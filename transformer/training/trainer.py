@@ -166,6 +166,8 @@ class Trainer:
             hint = f"; to resume it as it was trained, add {rates}" if set(diff) <= set(FREE_AT_INIT) else ""
             raise CheckpointError(f"{path} holds another model (checkpoint vs config: {diff}){hint}")
         self.model.load_state_dict(ckpt["model"])
+        if self.ema is not None:  # the average starts from these weights, not the random ones (a resume loads its own)
+            self.ema.load_state_dict({"updates": 0, "shadow": self.model.state_dict()})
 
     # ---- training ----------------------------------------------------------------------------------
     def train(self) -> int:
