@@ -54,13 +54,15 @@ export_launch_env() {
     fi
 }
 
-# The torchrun to use: $TORCHRUN, else the one on PATH. Fails with one clear line when missing.
-find_torchrun() {
-    local want=${TORCHRUN:-torchrun}
-    if ! command -v "$want" >/dev/null 2>&1; then
-        die "'$want' not found: activate the environment where the project is installed" \
-            "(pip install -e .), or set TORCHRUN=/path/to/torchrun"
-    fi
+# The Python that runs torchrun: $PYTHON, else python3 on PATH. It runs it as transformer.cli.torchrun, which
+# ends a run stopped on purpose (Ctrl-C, SIGTERM, SIGUSR1) with the workers' exit code and restarts no worker
+# that exited so. Fails with one clear line when it is missing or cannot import the project.
+find_python() {
+    local want=${PYTHON:-python3}
+    local hint="activate the environment where the project is installed (pip install -e .), or set PYTHON=/path/to/python"
+    command -v "$want" >/dev/null 2>&1 || die "'$want' not found: $hint"
+    "$want" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("transformer.cli.torchrun") is None)' \
+        >/dev/null 2>&1 || die "'$want' cannot import the project (transformer.cli.torchrun): $hint"
     command -v "$want"
 }
 

@@ -9,7 +9,9 @@ Usage: launch/multi_node.sh [OPTIONS] [--] [HYDRA_OVERRIDE ...]
 
 Run the same command on every node. Each node starts one torchrun agent, which rendezvouses with
 the others at HOST:PORT (c10d backend; the node whose hostname is HOST hosts the store) and starts
-one worker per GPU. Node ranks are assigned by the rendezvous.
+one worker per GPU. Node ranks are assigned by the rendezvous. torchrun runs as
+python3 -m transformer.cli.torchrun: a run stopped by Ctrl-C, SIGTERM or SIGUSR1 ends with the
+workers' exit code 3, no traceback, and workers that exit so are never restarted.
 
 Options (each also read from the environment variable in brackets):
   --nnodes N|MIN:MAX      nodes in the job [NNODES; under Slurm: SLURM_NNODES]
@@ -26,7 +28,7 @@ Options (each also read from the environment variable in brackets):
 Environment:
   RDZV_PORT        port when the host comes from Slurm (default 20000 + SLURM_JOB_ID % 20000)
   RDZV_CONF        extra rendezvous settings, e.g. join_timeout=900
-  TORCHRUN         torchrun to use (default: the one on PATH)
+  PYTHON           Python to run torchrun with (default: python3 on PATH)
   OMP_NUM_THREADS  CPU threads per worker (default: cores / workers)
   DRY_RUN=1        print the command instead of running it
 
@@ -103,10 +105,10 @@ is_count "$nproc" || die "--nproc-per-node must be a whole number >= 1, got '$np
 # The id names the run directory (outputs/torchrun-ID): a fixed default would make every new job resume the last.
 [[ -n "$rdzv_id" ]] || die "no rendezvous id: pass --rdzv-id ID, the same on every node (it names the run directory outputs/torchrun-ID; reuse it to resume a run), or set RDZV_ID, or run under Slurm"
 
-if [[ "${DRY_RUN:-0}" == "1" ]]; then torchrun=${TORCHRUN:-torchrun}; else torchrun=$(find_torchrun); fi
+if [[ "${DRY_RUN:-0}" == "1" ]]; then python=${PYTHON:-python3}; else python=$(find_python); fi
 export_launch_env "$nproc"
 
-cmd=("$torchrun" --nnodes="$nnodes" --nproc-per-node="$nproc" --rdzv-backend=c10d
+cmd=("$python" -m transformer.cli.torchrun --nnodes="$nnodes" --nproc-per-node="$nproc" --rdzv-backend=c10d
     --rdzv-endpoint="$endpoint" --rdzv-id="$rdzv_id" --max-restarts="$max_restarts")
 if [[ -n "${RDZV_CONF:-}" ]]; then cmd+=(--rdzv-conf="$RDZV_CONF"); fi
 if [[ -n "$local_addr" ]]; then cmd+=(--local-addr="$local_addr"); fi

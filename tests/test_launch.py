@@ -17,11 +17,11 @@ from tests.helpers.cli import SHELLCHECK, free_port
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = REPO / "launch"
 SCRIPTS = [LAUNCH / "single_node.sh", LAUNCH / "multi_node.sh", LAUNCH / "slurm.sbatch"]
-TORCHRUN = Path(sys.executable).with_name("torchrun")
+WRAPPER = "transformer.cli.torchrun"  # the launch scripts' torchrun: `python3 -m transformer.cli.torchrun ...`
 
 SLURM_KEYS = [k for k in os.environ if k.startswith(("SLURM_", "PET_", "TORCHELASTIC_"))] + [
     "NNODES", "NPROC", "RDZV_ENDPOINT", "RDZV_ID", "RDZV_PORT", "RDZV_CONF", "MAX_RESTARTS",
-    "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "DRY_RUN", "TORCHRUN", "RUN_DIR", "LAUNCH_DIR", "LOCAL_ADDR"]
+    "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "DRY_RUN", "PYTHON", "RUN_DIR", "LAUNCH_DIR", "LOCAL_ADDR"]
 
 
 def clean_env(**extra) -> dict:
@@ -84,9 +84,10 @@ def test_shellcheck_clean():
 
 def test_single_node_command():
     env, words = dry_run(LAUNCH / "single_node.sh", "experiment=copy", "trainer.max_steps=5", NPROC="3")
-    cmd = words[words.index("torchrun"):]
-    assert cmd[:5] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=3", "--max-restarts=0"]
-    assert cmd[5:] == ["-m", "transformer.train", "experiment=copy", "trainer.max_steps=5"]
+    cmd = words[words.index("python3"):]
+    assert cmd[:7] == ["python3", "-m", WRAPPER, "--standalone", "--nnodes=1", "--nproc-per-node=3",
+                       "--max-restarts=0"]
+    assert cmd[7:] == ["-m", "transformer.train", "experiment=copy", "trainer.max_steps=5"]
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert int(env["OMP_NUM_THREADS"]) >= 1
 
@@ -118,8 +119,8 @@ def test_multi_node_from_flags():
     env, words = dry_run(LAUNCH / "multi_node.sh", "--nnodes", "2", "--rdzv-endpoint=head:29400",
                          "--rdzv-id", "run7", "--nproc-per-node=4", "--max-restarts", "5",
                          "model=big", "--cfg", "job")
-    cmd = words[words.index("torchrun"):]
-    assert cmd == ["torchrun", "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d",
+    cmd = words[words.index("python3"):]
+    assert cmd == ["python3", "-m", WRAPPER, "--nnodes=2", "--nproc-per-node=4", "--rdzv-backend=c10d",
                    "--rdzv-endpoint=head:29400", "--rdzv-id=run7", "--max-restarts=5",
                    "-m", "transformer.train", "model=big", "--cfg", "job"]
     assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
@@ -174,11 +175,18 @@ def test_multi_node_bad_input(args, env, message):
     assert message in res.stderr and res.stdout == ""
 
 
-def test_missing_torchrun_is_one_clear_line(tmp_path):
-    env = clean_env(PATH="/usr/bin:/bin", NPROC="1")
-    res = run([LAUNCH / "single_node.sh", "experiment=copy"], env)
+def test_missing_python_is_one_clear_line(tmp_path):
+    res = run([LAUNCH / "single_node.sh", "experiment=copy"], clean_env(PYTHON=str(tmp_path / "python3"), NPROC="1"))
     assert res.returncode == 2
-    assert "'torchrun' not found" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert f"'{tmp_path / 'python3'}' not found" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+
+
+def test_a_python_without_the_project_is_one_clear_line(tmp_path):
+    """A Python that cannot import the project (another environment's): refused before torchrun starts."""
+    bare = write_exe(tmp_path / "python3", f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # no site-packages
+    res = run([LAUNCH / "single_node.sh", "experiment=copy"], clean_env(PYTHON=str(bare), NPROC="1"), cwd=tmp_path)
+    assert res.returncode == 2
+    assert "cannot import the project" in res.stderr and len(res.stderr.strip().splitlines()) == 1
 
 
 def test_sbatch_outside_slurm_fails_clearly():
@@ -186,11 +194,28 @@ def test_sbatch_outside_slurm_fails_clearly():
     assert res.returncode == 2 and "not inside a Slurm job" in res.stderr
 
 
+@pytest.mark.parametrize("codes, code", [
+    ({0: 3, 1: 3}, 3),
+    ({0: -15, 1: 3}, 3),  # rank 1 exited first; the agent's SIGTERM caught rank 0 closing its logs
+    ({0: 130, 1: 130}, 130),
+    ({0: 5, 1: 3}, 5),  # rank 0's full disk, as it said in its one line
+    ({0: 0, 1: 2}, 2),
+    ({0: 1, 1: -15}, None),  # a crash: torchrun restarts or reports it
+    ({0: -9, 1: 3}, None),
+    ({0: -15, 1: -15}, None),
+    ({}, None),
+])
+def test_final_code_of_the_workers(codes, code):
+    from transformer.cli.torchrun import final_code
+
+    assert final_code(codes) == code
+
+
 # --- The Slurm preemption path, with fake srun / scancel / scontrol / torchrun -----------------
 
 def slurm_fakes(bin_dir: Path, tmp_path: Path, step_exit: str) -> dict:
-    """srun runs its command; torchrun logs its args and pid, then either exits `step_exit`
-    (a number) or, with step_exit='wait', waits for TERM and exits 3 like the trainer."""
+    """srun runs its command; torchrun (python3 -m transformer.cli.torchrun) logs its args and pid, then either
+    exits `step_exit` (a number) or, with step_exit='wait', waits for TERM and exits 3 like the trainer."""
     log = tmp_path / "calls.log"
     pid_file = tmp_path / "torchrun.pid"
     write_exe(bin_dir / "srun", f"""#!/usr/bin/env bash
@@ -204,7 +229,10 @@ kill -s "${{1#--signal=}}" "$(cat {pid_file})"
 """)
     body = ("trap 'echo worker got TERM >> " + str(log) + "; exit 3' TERM\n"
             "while true; do sleep 0.05; done") if step_exit == "wait" else f"exit {step_exit}"
-    write_exe(bin_dir / "torchrun", f"""#!/usr/bin/env bash
+    write_exe(bin_dir / "python3", f"""#!/usr/bin/env bash
+[[ "$1" == -c ]] && exit 0  # the launch script's check that this Python has the project
+[[ "$1 $2" == "-m {WRAPPER}" ]] || exit 99
+shift 2
 echo "torchrun $*" >> {log}
 echo $$ > {pid_file}.tmp && mv {pid_file}.tmp {pid_file}
 {body}
@@ -270,23 +298,22 @@ fail_first = os.environ.get("FAIL_FIRST_ATTEMPT") == "1"
 with open(os.path.join(os.environ["OUT_DIR"], f"rank{rank}.attempt{attempt}"), "w") as f:
     f.write(" ".join([os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"],
                       os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "-")] + sys.argv[1:]))
-sys.exit(1 if fail_first and attempt == 0 else 0)
+sys.exit(1 if fail_first and attempt == 0 else int(os.environ.get("EXIT_CODE", "0")))
 """
 
 
 @pytest.fixture
 def stand_in(tmp_path):
     """A folder holding a fake `transformer.train` that records who it is; torchrun's workers run
-    `python -m transformer.train` from the current folder, so running there picks it up."""
-    if not TORCHRUN.exists():
-        pytest.skip(f"no torchrun beside {sys.executable}")
+    `python -m transformer.train` from the current folder, so running there picks it up. The rest of the
+    package (transformer.cli.torchrun, the agent) is the real one."""
     pkg = tmp_path / "transformer"
     pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text(f"__path__.append({str(REPO / 'transformer')!r})\n")
     (pkg / "train.py").write_text(FAKE_TRAIN)
     out = tmp_path / "out"
     out.mkdir()
-    env = clean_env(TORCHRUN=str(TORCHRUN), OUT_DIR=str(out), PYTHONPATH=str(tmp_path))
+    env = clean_env(PYTHON=sys.executable, OUT_DIR=str(out), PYTHONPATH=str(tmp_path))
     return tmp_path, out, env
 
 
@@ -300,6 +327,21 @@ def test_single_node_really_launches(stand_in):
     assert records == ["rank0.attempt0", "rank1.attempt0"]
     world, local, group, share, *args = (out / "rank1.attempt0").read_text().split()
     assert (world, local, group, share, args) == ("2", "1", "0", "1", ["experiment=copy"])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("code, attempts", [(3, 1), (1, 2)], ids=["stopped", "crashed"])
+def test_only_crashed_workers_restart(stand_in, code, attempts):
+    """Workers that end with a code of the trainer's own (3: stopped by a signal the agent did not see, say on
+    another node) are not restarted under --max-restarts: the agent ends with their code and no traceback. A
+    crash (1) is restarted and reported as torchrun does."""
+    cwd, out, env = stand_in
+    env.update(NPROC="2", MAX_RESTARTS="1", EXIT_CODE=str(code))
+    res = run([LAUNCH / "single_node.sh", "x=1"], env, cwd=cwd, timeout=120)
+    assert res.returncode == code, res.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        f"rank{r}.attempt{a}" for r in (0, 1) for a in range(attempts))
+    assert ("Traceback" in res.stderr) == (code == 1), res.stderr[-3000:]
 
 
 @pytest.mark.distributed
@@ -326,3 +368,45 @@ def test_multi_node_two_agents_rendezvous_and_restart(stand_in):
     groups = sorted((out / f"rank{r}.attempt1").read_text().split()[2] for r in (0, 1))
     assert groups == ["0", "1"]
     assert (out / "rank0.attempt1").read_text().split()[0] == "2"
+
+
+# --- Real torchrun, the real trainer --------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("presses", [1, 2])
+def test_ctrl_c_at_a_terminal_ends_like_spawn(tmp_path, presses):
+    """Ctrl-C at a terminal reaches the whole foreground process group: the launch script's torchrun agent and
+    its two workers. The run ends as under the trainer's own spawn: a first Ctrl-C with the workers' exit code 3,
+    no traceback and one resume hint naming the run directory; a second one, a second later, with 130. Steps
+    slow enough (a wider model, long sequences) that the stop is still pending when the second comes."""
+    from tests.helpers.dist import TINY, env_for, finish, step_files, wait_for
+    from transformer.training.launcher import SAME_CTRL_C_S
+
+    run_dir = tmp_path / "run"
+    wide = ("model.d_model=256", "model.d_ff=1024", "model.N=2", "data.copy.seq_len=60", "data.max_tokens=6000",
+            "checkpoint.every_steps=1") if presses == 2 else ("checkpoint.every_steps=30",)
+    cmd = [LAUNCH / "single_node.sh", *TINY, f"hydra.run.dir={run_dir}", "trainer.max_steps=100000",
+           "trainer.accelerator=cpu", *wide]
+    # A terminal starts a command in a process group of its own and sends Ctrl-C's SIGINT to all of it.
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env=env_for(PYTHON=sys.executable, NPROC="2", MAX_RESTARTS="2"), text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: step_files(run_dir), 180, "the first checkpoint", proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        if presses == 2:
+            time.sleep(SAME_CTRL_C_S + 0.3)
+            os.killpg(proc.pid, signal.SIGINT)
+        err = finish(proc)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert "Traceback" not in err and "SignalException" not in err, err[-4000:]
+    if presses == 1:
+        assert proc.returncode == 3, err[-4000:]
+        assert err.count("to resume") == 1 and f"hydra.run.dir={run_dir} to resume" in err, err[-4000:]
+    else:
+        assert proc.returncode == 130, err[-4000:]
+        assert err.count("aborted by a second Ctrl-C") == 1 and "stopped by a signal" not in err, err[-4000:]
+    assert "hydra.run.dir=None" not in err

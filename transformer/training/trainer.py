@@ -226,9 +226,9 @@ class Trainer:
         last checkpoint (if any), so there is nothing new to save."""
         if not self.env.all_reduce_sum([float(self.stop_signal is not None)])[0]:
             return False
-        log.warning("stopped by a signal before training started (step %d): nothing new to save, exit code %d; "
-                    "rerun the same command to %s", self.step, exit_codes.PREEMPTED,
-                    "resume" if self.step else "start")
+        rank_zero(log.warning)("stopped by a signal before training started (step %d): nothing new to save, "
+                               "exit code %d; rerun the same command to %s", self.step, exit_codes.PREEMPTED,
+                               "resume" if self.step else "start")
         return True
 
     def _done(self) -> bool:
@@ -282,9 +282,10 @@ class Trainer:
                 progress.update(**(self._log_train(window, result.grad_norm) if logged else {}))
                 if stop:
                     self.save(is_best=False)
-                    log.warning("stopped by a signal at step %d; checkpoint written, exit code %d; rerun the same "
-                                "command with hydra.run.dir=%s to resume", self.step, exit_codes.PREEMPTED,
-                                self.run_dir)
+                    # rank 0's line: only it knows the run directory (other ranks' is None)
+                    rank_zero(log.warning)("stopped by a signal at step %d; checkpoint written, exit code %d; rerun "
+                                           "the same command with hydra.run.dir=%s to resume", self.step,
+                                           exit_codes.PREEMPTED, self.run_dir)
                     return exit_codes.PREEMPTED
                 validated = is_best = False
                 if self.step % self.keys.val_every == 0:
