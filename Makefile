@@ -6,18 +6,28 @@ PYTEST := $(BIN)/python -m pytest
 # CPU machines pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
 CONSTRAINTS ?= constraints-cpu.txt
 
-.PHONY: install train test test-slow test-docker test-slurm test-gpu test-floor gpu-wheels bench-gpu bench-gpu-dry gpu-data \
+.PHONY: install train test test-slow test-wheel test-docker test-slurm test-gpu test-floor gpu-wheels bench-gpu bench-gpu-dry gpu-data \
 	train-gpu-multi30k fp8-curve-gpu test-all clean
 
+# One venv, two stamps: .runtime (the package and its runtime dependencies, for `make train`) and .installed
+# (with the test extra: pytest, linters, the trackers and export libraries the tests use; for `make test` and
+# the other tiers). Either order works: installing the test extra stamps .runtime too, and `make test` after
+# `make train` adds only the test extra.
 install: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml $(CONSTRAINTS)
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+
+$(VENV)/.runtime: setup.cfg setup.py pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e .
 	touch $@
 
-train: install  ## the copy task end to end on this machine (about 1.5 minutes of training on 2 CPU cores)
+$(VENV)/.installed: setup.cfg setup.py pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	touch $(VENV)/.runtime $@
+
+train: $(VENV)/.runtime  ## the copy task end to end on this machine (about 1.5 minutes of training on 2 CPU cores)
 	$(BIN)/transformer-train experiment=copy
 
 test: install  ## fast CPU tier
@@ -25,6 +35,9 @@ test: install  ## fast CPU tier
 
 test-slow: install  ## end-to-end runs and multi-process (gloo on 127.0.0.1) tests
 	$(PYTEST) -m "(slow or distributed) and not docker and not slurm and not gpu"
+
+test-wheel: install  ## builds an sdist and a wheel, installs the wheel in a fresh venv, trains from it away from the clone
+	TIER_PYTHON=$(BIN)/python bash launch/ci/run-wheel-tier.sh
 
 test-docker: install  ## builds the image from a local base and runs a job in it (needs root)
 	$(PYTEST) -m docker
@@ -94,7 +107,7 @@ train-gpu-multi30k:  ## experiment=multi30k on a GPU machine with CUDA graphs (d
 bench-gpu-dry: install  ## bench-gpu's plumbing on a CPU, every run shrunk
 	$(BIN)/python benchmarks/bench_gpu.py --dry-run --out outputs/bench-gpu-dry.jsonl
 
-test-all: test test-slow test-docker test-slurm
+test-all: test test-slow test-wheel test-docker test-slurm
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) outputs multirun .pytest_cache

@@ -16,8 +16,16 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from transformer.data.config import SHAPE_STEPS, DataConfig, TokenizerConfig
 
+
+def conf_dir(package: Path) -> Path:
+    """The recipes and groups: `package`/conf in an installed wheel (setup.py copies the clone's conf/ there),
+    else the clone's top-level conf/, read in place by an editable install (an edit counts at once)."""
+    packaged = package / "conf"
+    return packaged if packaged.is_dir() else package.parent / "conf"
+
+
 # An absolute path: Hydra reads a relative config_path as a Python package, which fails outside the repository.
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = conf_dir(Path(__file__).resolve().parent)
 TIE_EMBEDDINGS = ("none", "decoder", "all")
 ACTIVATIONS = ("relu", "swish", "gelu")
 

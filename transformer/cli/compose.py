@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Callable, List
 
 from hydra import compose, initialize_config_dir
-from hydra._internal.utils import get_args_parser
+from hydra._internal.hydra import Hydra
+from hydra._internal.utils import create_config_search_path, get_args_parser
+from hydra.core.config_search_path import SearchPathQuery
+from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
@@ -59,17 +62,31 @@ def check_creatable(key: str, folder: Path) -> None:
         raise ConfigError(f"{key}={str(folder)!r}: cannot create folders in {existing} ({e.strerror})") from None
 
 
+def add_config_dir(config_dir: str) -> None:
+    """Inside initialize_config_dir(CONF_DIR): a user's `--config-dir` (recipes of their own) searched after conf/,
+    where hydra.main puts it (the compose API takes one folder only)."""
+    folder = Path(config_dir).absolute()
+    if not folder.is_dir():
+        raise ConfigError(f"--config-dir {config_dir}: no such folder")
+    search_path = create_config_search_path(str(CONF_DIR))
+    search_path.prepend("command-line", f"file://{folder}", anchor=SearchPathQuery(provider="schema"))
+    GlobalHydra.instance().clear()  # initialize_config_dir restores the one it replaced on exit
+    Hydra.create_main_hydra2(task_name="app", config_search_path=search_path)
+
+
 def precheck(argv: List[str], check: Callable, writes: bool = True) -> int:
     """0 if the command line composes and `check(cfg)` accepts it, else the exit code after one error line.
     `writes`: this process makes the run directory (torchrun ranks other than 0 write nothing, and on a
     shared file system rank 0's folder is often not writable for them)."""
     args = get_args_parser().parse_args(argv)
     if (args.help or args.hydra_help or args.cfg or args.info or args.shell_completion or args.experimental_rerun
-            or args.config_path or args.config_name or args.config_dir):
+            or args.config_path or args.config_name):
         return exit_codes.OK  # Hydra's own modes: let Hydra answer them
     try:
         overrides = first_values(args.overrides) if args.multirun else args.overrides
         with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+            if args.config_dir is not None:
+                add_config_dir(args.config_dir)
             cfg = compose(config_name="config", overrides=overrides, return_hydra_config=True)
         check(cfg)
         if writes:

@@ -14,7 +14,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from transformer import dist, exit_codes
+from transformer import dist, exit_codes, version_line
 from transformer.cli.compose import precheck
 from transformer.config import CONF_DIR, ConfigError, register_configs, to_container, validate
 from transformer.environment import describe, machine_error
@@ -136,6 +136,9 @@ def main() -> None:
 
 
 def _main() -> None:
+    if "--version" in sys.argv[1:]:  # before Hydra, whose own --version names only Hydra's
+        print(version_line())
+        return
     register_configs()
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)
     rank = dist.torchrun_env()
