@@ -93,7 +93,8 @@ def test_dockerignore_keeps_what_the_image_needs():
     and the heavy or private folders must be."""
     patterns = [line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
-    for needed in ("setup.cfg", "pyproject.toml", "README.md", "transformer", "conf", "launch"):
+    for needed in ("setup.cfg", "setup.py", "pyproject.toml", "MANIFEST.in", "README.md", "transformer", "conf",
+                   "launch"):
         assert needed not in patterns
     for heavy in (".git", "outputs", "multirun", ".venv", "data", "**/*.pt", "**/__pycache__"):
         assert heavy in patterns

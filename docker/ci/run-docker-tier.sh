@@ -7,8 +7,10 @@
 #   3. imports a Debian bookworm base image made with debootstrap (tarball cached);
 #   4. builds a wheelhouse of the project's dependencies on the host, with constraints-cpu.txt (cached),
 #      and serves it to the build on 127.0.0.1;
-#   5. docker build --network host of docker/Dockerfile on that base, offline (--no-index);
-#   6. docker run --network host: non-root user, then a short training run whose exit code and
+#   5. docker build --network host of docker/Dockerfile on that base, offline (--no-index): its first
+#      stage builds the project's wheel, its second installs it (not an editable tree);
+#   6. docker run --network host: non-root user, the installed wheel (not a source tree) and its
+#      `transformer-train --version` (this clone's commit), then a short training run whose exit code and
 #      checkpoint are checked;
 #   7. two containers as two nodes (host network, 127.0.0.1 only): multi_node.sh --nnodes 2 in each,
 #      1 CPU worker per node, one outputs folder mounted in both; every file must come from the
@@ -190,8 +192,8 @@ if [[ -f "$wheels/.complete" ]]; then
     log "cached $wheels ($(find "$wheels" -name '*.whl' | wc -l) wheels)"
 else
     rm -rf "$wheels.tmp"
-    # The project's wheel only drives the resolver; the image installs the project from source.
-    # setuptools and wheel are its build requirements (pyproject.toml).
+    # The project's wheel only drives the resolver; the image builds its own from the source.
+    # setuptools and wheel are its build requirements (pyproject.toml), for the image's wheel stage.
     "$py" -m pip wheel -q --wheel-dir "$wheels.tmp" -c "$REPO/constraints-cpu.txt" "$REPO" \
         "setuptools>=64" wheel >"$TMP/wheel.log" 2>&1 || { tail -30 "$TMP/wheel.log"; fail "pip wheel"; }
     rm -f "$wheels.tmp"/transformer-*.whl
@@ -228,11 +230,14 @@ end
 # --- 5. docker build --------------------------------------------------------------------------
 begin "docker build"
 torch_version=$(sed -n 's/^torch-\([^-]*\)-.*/\1/p' <<<"$torch_wheel")
+# The build context has no .git: the commit goes in as a build argument (transformer.commit() needs no torch).
+commit=$(PYTHONPATH="$REPO" "$py" -c 'import transformer; print(transformer.commit())')
 "$DOCKER" build --network host -f "$REPO/docker/Dockerfile" -t "$IMAGE" \
     --build-arg BASE_IMAGE="$BASE_IMAGE" \
     --build-arg TORCH_SPEC="torch==$torch_version" \
     --build-arg TORCH_INDEX_URL= \
     --build-arg PIP_ARGS="--no-index --find-links $index" \
+    --build-arg GIT_COMMIT="$commit" \
     "$REPO" 2>&1 | while IFS= read -r line; do printf '%(%T)T %s\n' -1 "$line"; done >"$TMP/build.log" ||
     { tail -40 "$TMP/build.log"; fail "docker build (log above)"; }
 # When each build step started: where the time goes.
@@ -252,6 +257,12 @@ uid=$("$DOCKER" run --rm --network host "$IMAGE" id -u)
     bash -c 'command -v transformer-train torchrun single_node.sh multi_node.sh >/dev/null' ||
     fail "transformer-train, torchrun or the launch scripts are not on the image's PATH"
 log "runs as uid $uid; transformer-train, torchrun, launch scripts on PATH"
+where=$("$DOCKER" run --rm --network host "$IMAGE" python -c 'import transformer; print(transformer.__file__)')
+[[ "$where" == /opt/venv/lib/python3*/site-packages/transformer/__init__.py ]] ||
+    fail "the image imports transformer from $where, not from the wheel installed in /opt/venv"
+version=$("$DOCKER" run --rm --network host "$IMAGE" transformer-train --version)
+[[ "$version" == "transformer "*" (commit $commit)" ]] || fail "transformer-train --version in the image: '$version' (commit $commit expected)"
+log "the installed wheel: $where; $version"
 end
 
 out="$TMP/out"
@@ -372,8 +383,10 @@ grep -q "resumed from" "$TMP"/restart-node?.log || fail "restart: the restarted 
 end
 
 begin "two nodes: compare weights"
-# In the image (torch is there, not necessarily on the host): the tests' own bit-for-bit comparison.
-"$DOCKER" run --rm --network host -e PYTHONPATH=/opt/transformer -v "$TMP/nodes:/nodes:ro" "$IMAGE" python -c "
+# In the image (torch is there, not necessarily on the host): the tests' own bit-for-bit comparison, from this
+# clone's tests/ (the image has the installed package only).
+"$DOCKER" run --rm --network host -e PYTHONPATH=/src -v "$REPO/tests:/src/tests:ro" -v "$TMP/nodes:/nodes:ro" \
+    "$IMAGE" python -c "
 from tests.helpers.checkpoints import assert_same_state
 from transformer.training.checkpoint import load_checkpoint
 a, b = (load_checkpoint(f'/nodes/{j}/torchrun-{j}/checkpoints/last.pt') for j in ('plain', 'restart'))
