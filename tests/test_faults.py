@@ -170,11 +170,13 @@ def test_ctrl_c_to_the_launcher_checkpoints_on_every_worker(tmp_path, launcher_k
 
 # ---- one run per directory -------------------------------------------------------------------------------
 HOLDER = textwrap.dedent("""
-    import sys, time
-    from transformer.training.runlock import RunLock, record_holder
-    lock = RunLock(sys.argv[1])
+    import fcntl, os, sys, time
+    from transformer.training.runlock import RECORD, RunLock
     if sys.argv[2] == "record":
-        record_holder(sys.argv[1])
+        lock = RunLock(sys.argv[1])
+    else:  # locked, its record not written yet: the refused run asks /proc/locks
+        fd = os.open(os.path.join(sys.argv[1], RECORD), os.O_RDWR)
+        fcntl.lockf(fd, fcntl.LOCK_EX)
     print("held", flush=True)
     time.sleep(600)
 """)
@@ -210,14 +212,21 @@ def test_second_run_on_a_live_directory_is_refused_and_writes_nothing(tmp_path, 
 
 
 def test_a_torchrun_rank_other_than_0_takes_no_lock(tmp_path, monkeypatch):
-    """Only the rank that owns the run directory locks it (the other ranks get run_dir None)."""
-    taken = []
-    monkeypatch.setattr(launcher, "RunLock", lambda d: taken.append(d))
-    monkeypatch.setattr(launcher, "_train", lambda *a: 0)
-    monkeypatch.setattr(launcher.dist, "init", lambda r, lr, ws, *a, **k: launcher.dist.DistEnv(r, lr, ws))
-    from tests.helpers.cli import compose_cfg
-    from transformer.config import to_container
+    """Only the rank that owns the run directory locks it (the other ranks point hydra.run.dir at ".")."""
+    from types import SimpleNamespace
 
-    cfg = to_container(compose_cfg(*TINY))
-    assert launcher.worker(1, 1, 2, cfg, str(tmp_path)) == 0 and taken == []
-    assert launcher.worker(0, 0, 1, cfg, str(tmp_path)) == 0 and taken == [tmp_path]
+    from tests.helpers.cli import compose_cfg
+    from transformer.cli import train as train_cli
+
+    taken = []
+    hydra = SimpleNamespace(runtime=SimpleNamespace(output_dir=str(tmp_path)))
+    monkeypatch.setattr(train_cli.HydraConfig, "get", lambda: hydra)
+    monkeypatch.setattr(train_cli, "RunLock", lambda d: taken.append(d))
+    monkeypatch.setattr(train_cli, "config_snapshot", lambda cfg: {})
+    monkeypatch.setattr(train_cli, "launch", lambda *a: 0)
+    cfg = compose_cfg(*TINY, "trainer.max_steps=2")
+    for rank in ("1", "0"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("LOCAL_RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert train_cli.run(cfg) == 0 and taken == ([] if rank == "1" else [tmp_path])

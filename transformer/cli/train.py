@@ -21,6 +21,7 @@ from transformer.environment import describe, machine_error
 from transformer.tasks import build_task
 from transformer.training import fp8
 from transformer.training.launcher import USER_INPUT_ERRORS, launch
+from transformer.training.runlock import RunLock
 
 # HF tokenizers' thread pool does not survive DataLoader workers forking after encoding; it says so noisily.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -65,20 +66,30 @@ def config_snapshot(cfg: DictConfig) -> dict:
     return {name: OmegaConf.to_yaml(node) for name, node in nodes}
 
 
+# A run that ends with these codes before it has results takes back what it made (nothing half-written).
+UNDONE = (exit_codes.USER_ERROR, exit_codes.PREEMPTED, exit_codes.ENVIRONMENT)
+
+
 def run(cfg: DictConfig) -> int:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     torchrun = dist.torchrun_env()
-    is_main = torchrun is None or torchrun["rank"] == 0
-    # Hydra has just made the run directory (other torchrun ranks point it at "."). If it was empty, this run
-    # owns it: a run refused for bad input removes it again, so a failed start leaves nothing half-written.
-    owned = is_main and run_dir.is_dir() and not any(run_dir.iterdir())
+    is_main = torchrun is None or torchrun["rank"] == 0  # other torchrun ranks point hydra.run.dir at "."
+    lock, code = None, None
     try:
-        check(cfg)
-        code = launch(to_container(cfg), run_dir, torchrun, config_snapshot(cfg) if is_main else None)
-    except Exception as e:
-        code = _failed(e, run_dir if is_main else None)
-    if code in (exit_codes.USER_ERROR, exit_codes.PREEMPTED, exit_codes.ENVIRONMENT) and owned:
-        _remove_run_dir(run_dir)  # only while it holds no checkpoint and no metrics
+        try:
+            # This process decides about the run directory, so it holds the lock, before anything there is read
+            # or written; a refused run (ConfigError, exit 2) has touched nothing and removes nothing.
+            lock = RunLock(run_dir) if is_main else None
+            check(cfg)
+            code = launch(to_container(cfg), run_dir, torchrun, config_snapshot(cfg) if is_main else None)
+        except Exception as e:
+            code = _failed(e, run_dir if is_main else None)
+    finally:
+        if lock is not None:
+            undo = code is None or code in UNDONE  # None: a Ctrl-C before any worker listened, or HYDRA_FULL_ERROR
+            if undo and lock.fresh:  # it made all of it
+                undo = _remove_run_dir(run_dir, lock)
+            lock.release(undo=undo)
     return code
 
 
@@ -98,25 +109,38 @@ def _failed(e: Exception, run_dir: Optional[Path]) -> int:
     return exit_codes.INTERNAL
 
 
-def _remove_run_dir(folder: Path) -> None:
-    """Removes a run directory this run made and that holds no results yet (never the working directory), and
-    for a default name (outputs/<date>/<time>-<id>) the folders above it that are left empty."""
+def _remove_run_dir(folder: Path, lock: RunLock) -> bool:
+    """Removes a run directory whose every file this run made (it was empty when the run took its lock) unless it
+    holds results (False: kept), and for a default name (outputs/<date>/<time>-<id>) the folders above it that
+    are left empty; of the working directory, only run.lock. All but run.lock goes while the lock is held;
+    run.lock goes with the lock, and the folder after it only while empty (a run that took the lock meanwhile
+    has made run.lock again; on NFS an open file's removal leaves a .nfs file until it is closed)."""
     for handler in list(logging.getLogger().handlers):  # train.log is open in it
         if isinstance(handler, logging.FileHandler):
             logging.getLogger().removeHandler(handler)
             handler.close()
-    if folder.resolve() == Path.cwd().resolve() or any((folder / f).exists() for f in ("checkpoints", "metrics.jsonl")):
-        return  # it has results: a late error never deletes them
-    shutil.rmtree(folder, ignore_errors=True)
+    if any((folder / f).exists() for f in ("checkpoints", "metrics.jsonl")):
+        return False  # it has results: a late error never deletes them
+    if folder.resolve() == Path.cwd().resolve():
+        return True
+    for entry in list(folder.iterdir()):
+        if entry.name == lock.path.name:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    lock.release(undo=True)
+    folders = [folder.resolve()]
     if _RUN_NAME is not None and folder.as_posix().endswith(_RUN_NAME):
-        cwd = Path.cwd().resolve()
-        for parent in folder.resolve().parents:  # outputs/<date>/, then outputs/, while empty and below cwd
-            if cwd not in parent.parents:
-                break
-            try:
-                parent.rmdir()
-            except OSError:  # holds other runs
-                break
+        cwd = Path.cwd().resolve()  # and outputs/<date>/, then outputs/, while empty and below cwd
+        folders += [parent for parent in folders[0].parents if cwd in parent.parents]
+    for empty in folders:
+        try:
+            empty.rmdir()
+        except OSError:  # holds other runs, or a new run
+            break
+    return True
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")

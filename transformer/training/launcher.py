@@ -33,7 +33,7 @@ from transformer.training.init_from import FREE_AT_INIT, InitFrom, check_tokeniz
 from transformer.training.logs import setup_logging, start_file_log, warn
 from transformer.training.microbatch import fit_micro_batch
 from transformer.training.parallelize import parallelize
-from transformer.training.runlock import RunLock, record_holder
+from transformer.training.runlock import end_with_parent
 from transformer.training.trainer import Trainer
 
 log = logging.getLogger("transformer")
@@ -64,14 +64,10 @@ def worker(rank: int, local_rank: int, world_size: int, cfg_dict: dict, run_dir:
     if cfg.trainer.deterministic:
         torch.use_deterministic_algorithms(True)
     torch.manual_seed(cfg.seed + rank)  # different dropout masks per rank; restored exactly on resume
-    lock = None
-    try:
-        lock = RunLock(run_dir) if run_dir is not None else None  # before anything reads or writes the folder
+    try:  # the process that decides about run_dir holds its lock (transformer/cli/train.py, runlock.py)
         return _train(cfg, env, run_dir, snapshot, stop, threads)  # its objects are gone when dist.close() runs
     finally:
         stop.close()
-        if lock is not None:
-            lock.release()
         dist.close()
 
 
@@ -173,7 +169,6 @@ def accept(run_dir: Path, snapshot: Dict[str, str], trainer: Trainer) -> None:
     """The run starts: its log goes to train.log, .hydra/ records the config, and temporary files that
     killed writes of earlier attempts left in checkpoints/ are removed."""
     start_file_log(run_dir)
-    record_holder(run_dir)
     for name, text in snapshot.items():
         (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
         write_text_atomic(run_dir / ".hydra" / name, text)
@@ -220,6 +215,7 @@ def restore(trainer: Trainer, cfg, env: dist.DistEnv, init: Optional[InitFrom] =
 
 def _spawned(local_rank: int, world_size: int, cfg_dict: dict, run_dir: str, port: int,
              snapshot: Dict[str, str]) -> None:
+    end_with_parent()  # the parent holds the run's lock: no worker may outlive it
     store = torch.distributed.TCPStore("127.0.0.1", port, world_size, is_master=False)
     try:
         main = local_rank == 0
