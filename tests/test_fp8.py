@@ -11,6 +11,7 @@ import torch
 
 from tests.helpers.cli import compose_cfg
 from tests.helpers.models import one_thread  # noqa: F401 (autouse fixture)
+from tests.helpers.numerics import close_scaled
 from tests.test_contract import assert_one_error_line, run_train, tree_digest
 from transformer.cli import train as train_cli
 from transformer.config import ConfigError, ModelConfig
@@ -167,7 +168,7 @@ def test_fp8_products_take_batches_whose_token_count_is_no_multiple_of_16(monkey
         model(src, tgt).logsumexp(-1).sum().backward()
         grads.append([p.grad for p in model.parameters()])
     assert {a[1] for a, _ in shapes} >= {16, 32}, shapes  # weight gradients: 14 and 18 tokens, padded
-    assert all(torch.allclose(g, e, rtol=1e-4, atol=1e-6) for g, e in zip(*grads, strict=True))
+    assert all(close_scaled(g, e, 128) for g, e in zip(*grads, strict=True))  # d_ff: the longest sum
 
 
 @needs_torchao
@@ -185,7 +186,7 @@ def test_the_converted_model_compiles_in_one_graph():
     y = compiled(src, tgt)
     y.sum().backward()
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters["graph_break"])
-    assert torch.allclose(y, model(src, tgt), atol=1e-5)
+    assert close_scaled(y, model(src, tgt), 128)  # d_ff: the longest sum
     torch._dynamo.reset()
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.helpers.numerics import close_scaled
 from tests.test_trainer import make_trainer
 from transformer.config import ModelConfig
 from transformer.data.batch import collate
@@ -55,9 +56,10 @@ def padded_then_unpadded(norm_first: bool) -> list:
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_unpadded_equals_padded_outputs_and_gradients(norm_first):
     (a, la, ga), (b, lb, gb) = padded_then_unpadded(norm_first)
-    assert torch.allclose(a, b, atol=1e-5, rtol=1e-5) and torch.allclose(la, lb, rtol=1e-6)
+    n = 64  # the longest sums: d_ff's (a weight's gradient sums the 36 rows of the (4, 9) source)
+    assert close_scaled(b, a, n) and close_scaled(lb, la, n)
     for name in ga:
-        assert torch.allclose(ga[name], gb[name], atol=1e-6, rtol=1e-4), name
+        assert close_scaled(gb[name], ga[name], n), name
 
 
 def test_trainer_switch(tmp_path):
