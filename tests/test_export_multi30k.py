@@ -1,4 +1,6 @@
-"""The exports on Multi30k: a model trained briefly on its training split, decoding its validation split.
+"""The exports on Multi30k: a model trained briefly on its training split, decoding its validation split, once
+with tokenizer=bpe and once with tokenizer=sentencepiece (unigram; the Hugging Face folder then holds
+MarianTokenizer's files, the CTranslate2 folder sentencepiece.model).
 
 On the first 200 validation sentences, greedy output of the Hugging Face export and of CTranslate2 in float32
 equals `transformer-translate --beam 1` token for token, and beam 5 with the same length penalty agrees on at
@@ -6,9 +8,10 @@ least 98% of sentences. On all 1,014, CTranslate2 int8 scores within 0.5 BLEU of
 difference alone moves by about ±0.4 BLEU from one slice to the next (docs/interop.md), too close to the bound.
 
 In CI the model trains for TRAIN_SECONDS in the fixture. To check a fully trained model instead (docs/interop.md
-gives the figures), point TRANSFORMER_EXPORT_CHECKPOINT at a checkpoint of a BPE run (best.pt of `transformer-train
-experiment=multi30k`, say), TRANSFORMER_EXPORT_SENTENCES at the number of validation sentences for the greedy and
-beam checks, and TRANSFORMER_EXPORT_BLEU_SENTENCES at the number for the int8 check."""
+gives the figures), point TRANSFORMER_EXPORT_CHECKPOINT at a checkpoint of a BPE or SentencePiece run (best.pt of
+`transformer-train experiment=multi30k`, say; the other tokenizer's checks are skipped),
+TRANSFORMER_EXPORT_SENTENCES at the number of validation sentences for the greedy and beam checks, and
+TRANSFORMER_EXPORT_BLEU_SENTENCES at the number for the int8 check."""
 import os
 
 import pytest
@@ -46,13 +49,15 @@ BEAM_RULES = {
 }
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+@pytest.fixture(scope="module", params=["bpe", "sentencepiece"])
+def trained(request, tmp_path_factory):
     if CHECKPOINT:
         from transformer.training.checkpoint import load_model
         model, tok, _ = load_model(CHECKPOINT)
+        if tok.name != request.param:
+            pytest.skip(f"TRANSFORMER_EXPORT_CHECKPOINT holds a tokenizer={tok.name} model")
     else:
-        model, tok, _ = multi30k_model(MULTI30K, TRAIN_SECONDS)
+        model, tok, _ = multi30k_model(MULTI30K, TRAIN_SECONDS, name=request.param)
     folder = tmp_path_factory.mktemp("export")
     atomic_save(checkpoint(model, tok), folder / "model.pt")
     export_hf(model, tok, {}, folder / "hf")
@@ -94,12 +99,13 @@ def hf_outputs(folder, tok, src, ev):
 def ct2_outputs(path, tok, src, ev, compute_type="default"):
     translator = ctranslate2.Translator(str(path), device="cpu", compute_type=compute_type)
     tokens, lims = source_tokens(tok, src), limits(tok, src, ev)
+    index = {t: i for i, t in enumerate(tok.tgt_tokens(range(tok.tgt_vocab_size)))}
     out = [None] * len(src)
     for limit, idx in by_limit(lims):
         res = translator.translate_batch([tokens[i] for i in idx], beam_size=ev.beam, length_penalty=ev.lenpen,
                                          max_decoding_length=limit, suppress_sequences=SUPPRESSED)
         for i, r in zip(idx, res, strict=True):
-            out[i] = [tok.tok.token_to_id(t) for t in r.hypotheses[0]]
+            out[i] = [index[t] for t in r.hypotheses[0]]
     return out
 
 
