@@ -99,7 +99,7 @@ ckpt=$work/run/checkpoints/last.pt
 grep -h "test_accuracy" "$TMP/train.log" | tail -n 1 | sed 's/^/   /'
 end
 
-begin "transformer-translate, transformer-evaluate"
+begin "translate, evaluate"
 printf '%s\n' "5 6 7 8 9 10 4 5 6 7" "4 4 9 10 7 8 5 6 10 9" >src.txt  # the copy task's symbols: 4..10
 "$bin/transformer-translate" "$ckpt" --beam 2 <src.txt >hyp.txt 2>"$TMP/translate.log" ||
     { tail -20 "$TMP/translate.log"; fail "transformer-translate"; }
