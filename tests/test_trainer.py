@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.helpers.cli import compose_cfg
+from tests.helpers.models import one_thread  # noqa: F401  (autouse)
 from transformer.data.batch import PairDataset, Ragged, collate
 from transformer.data.copy import CopyData
 from transformer.dist import DistEnv
@@ -25,7 +26,7 @@ from transformer.training.trainer import Trainer
 
 SMALL = ["experiment=copy", "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2",
          "data.copy.train_size=256", "data.copy.val_size=32", "data.copy.test_size=32", "data.max_tokens=200",
-         "trainer.progress=false"]
+         "trainer.progress=false", "logger.trackers=[]"]  # no TensorBoard: its end-of-run figures took most of a run
 
 
 def make_trainer(tmp_path, *overrides, seed_model=0):
