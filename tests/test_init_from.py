@@ -3,13 +3,20 @@ used to learn a new vocabulary of the same size, whose ids meant other words). A
 tokenizer is refused with one line naming both settings."""
 from pathlib import Path
 
-from tests.helpers.cli import train_cmd
+import pytest
+
+from tests.helpers.cli import compose_cfg, train_cmd
 from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, write_corpus
 from tests.helpers.dist import run_cli
 from tests.test_preprocess_cli import TRAIN
 from transformer import exit_codes
+from transformer.data import build_data
 from transformer.data.tokenizer import tokenizer_from_state
+from transformer.dist import DistEnv
 from transformer.training.checkpoint import load_checkpoint
+
+# No TensorBoard: its end-of-run figures (matplotlib) took a third of each run; nothing here reads them.
+QUIET = ("logger.trackers=[]",)
 
 
 def files_data(folder: Path, words: int) -> list:
@@ -21,33 +28,40 @@ def files_data(folder: Path, words: int) -> list:
 
 
 def run(tmp_path: Path, name: str, *overrides: str, expect: int = 0):
-    return run_cli(train_cmd(*TRAIN, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / name}", *overrides),
+    return run_cli(train_cmd(*TRAIN, *QUIET, "trainer.max_steps=2", f"hydra.run.dir={tmp_path / name}", *overrides),
                    tmp_path, expect=expect)
 
 
-def test_init_from_keeps_the_checkpoints_tokenizer_on_another_corpus(tmp_path):
-    first, second = files_data(tmp_path / "c1", 5), files_data(tmp_path / "c2", 11)
-    run(tmp_path, "base", *first)
-    base = load_checkpoint(tmp_path / "base" / "checkpoints" / "last.pt")
+@pytest.fixture(scope="module")
+def base_run(tmp_path_factory):
+    """(the first corpus's overrides, the checkpoint of a run on it): one run, read by both tests."""
+    folder = tmp_path_factory.mktemp("init-from")
+    first = files_data(folder / "c1", 5)
+    run(folder, "base", *first)
+    return first, folder / "base" / "checkpoints" / "last.pt"
+
+
+def test_init_from_keeps_the_checkpoints_tokenizer_on_another_corpus(tmp_path, base_run):
+    _, path = base_run
+    second = files_data(tmp_path / "c2", 11)
+    base = load_checkpoint(path)
     # Fine-tuning may change P_drop (a rate, not a weight): the run starts from the weights all the same.
-    run(tmp_path, "tuned", *second, f"trainer.init_from={tmp_path / 'base' / 'checkpoints' / 'last.pt'}",
+    run(tmp_path, "tuned", *second, f"trainer.init_from={path}",
         f"model.dropout={base['model_args']['dropout'] + 0.15}")
     tuned = load_checkpoint(tmp_path / "tuned" / "checkpoints" / "last.pt")
     assert tuned["tokenizer"] == base["tokenizer"]
     assert tuned["model_args"]["dropout"] == base["model_args"]["dropout"] + 0.15
-    # What a run on the second corpus learns by itself is another vocabulary: the test can fail.
-    run(tmp_path, "fresh", *second)
-    fresh = load_checkpoint(tmp_path / "fresh" / "checkpoints" / "last.pt")
+    # What a run on the second corpus learns by itself is another vocabulary: the test can fail. (The data a run
+    # builds, in this process: its tokenizer is what the run's checkpoints store.)
+    fresh = {"tokenizer": build_data(compose_cfg(*TRAIN, *second), DistEnv()).tokenizer.state_dict()}
     assert fresh["tokenizer"] != base["tokenizer"]
     sentence = f"{TRAIN_DE[0][:-1]} wort3 wort9 ."
     ids = [tokenizer_from_state(ck["tokenizer"]).encode_src(sentence) for ck in (base, tuned, fresh)]
     assert ids[1] == ids[0] and ids[2] != ids[0]
 
 
-def test_init_from_refuses_a_config_asking_for_another_tokenizer(tmp_path):
-    data = files_data(tmp_path / "c1", 5)
-    run(tmp_path, "base", *data)
-    ckpt = tmp_path / "base" / "checkpoints" / "last.pt"
+def test_init_from_refuses_a_config_asking_for_another_tokenizer(tmp_path, base_run):
+    data, ckpt = base_run
     before = sorted(p.name for p in tmp_path.iterdir())
     res = run(tmp_path, "tuned", *data, "tokenizer.min_freq=2", f"trainer.init_from={ckpt}",
               expect=exit_codes.USER_ERROR)
