@@ -12,6 +12,7 @@ import torch
 from tests.helpers.benchmarks import load_benchmark
 from tests.helpers.cli import cli_env
 from tests.helpers.data import MULTI30K, needs_multi30k
+from tests.helpers.inprocess import bench_in_process
 from transformer.training.bench import peak_tflops
 from transformer.training.speedups import native_bf16_cpu
 
@@ -81,7 +82,8 @@ def test_bench_prints_a_sane_table_and_json_line(tmp_path):
 
 def test_bench_out_appends_the_json_line(tmp_path):
     out = tmp_path / "results" / "bench.jsonl"
-    bench(tmp_path, *TINY, "bench.steps=1", f"bench.out={out}")
+    bench_in_process(tmp_path, *TINY, "bench.warmup=0", "bench.steps=1", "bench.repeats=1", "bench.profile=false",
+                     f"bench.out={out}")
     lines = out.read_text().splitlines()
     assert len(lines) == 1 and json.loads(lines[0])["steps"] == 1
 
@@ -92,7 +94,8 @@ def test_bench_trace_writes_the_profile_window_for_perfetto(tmp_path):
     import gzip
 
     trace = tmp_path / "traces" / "tiny.trace.json.gz"
-    res = bench(tmp_path, *TINY, "bench.steps=1", "bench.repeats=1", f"bench.trace={trace}")
+    res = bench_in_process(tmp_path, *TINY, "bench.warmup=0", "bench.steps=1", "bench.repeats=1",
+                           f"bench.trace={trace}")
     events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
     ops = {e.get("name") for e in events}
     assert "aten::mm" in ops or "aten::addmm" in ops  # the step's operators, not an empty timeline
@@ -101,16 +104,17 @@ def test_bench_trace_writes_the_profile_window_for_perfetto(tmp_path):
 
 
 def test_bench_bad_input_is_one_line_exit_2(tmp_path):
-    res = bench(tmp_path, *TINY, "bench.steps=0", expect=2)
+    """In this process; test_contract.py starts the command for a bad override and bench.steps=0."""
+    res = bench_in_process(tmp_path, *TINY, "bench.steps=0", expect=2)
     assert res.stderr.strip().splitlines()[-1] == "error: bench.steps=0: must be >= 1"
-    res = bench(tmp_path, *TINY, "bench.min_len=700", "bench.max_len=900", expect=2)  # > data.max_tokens
+    res = bench_in_process(tmp_path, *TINY, "bench.min_len=700", "bench.max_len=900", expect=2)  # > data.max_tokens
     assert "data.max_tokens=600" in res.stderr.strip().splitlines()[-1]
-    res = bench(tmp_path, *TINY, "bench.trace=t.json", "bench.profile=false", expect=2)
+    res = bench_in_process(tmp_path, *TINY, "bench.trace=t.json", "bench.profile=false", expect=2)
     assert res.stderr.strip().splitlines()[-1] == ("error: bench.trace='t.json': needs bench.profile=true (it is "
                                                    "that window's)")
     assert list(tmp_path.iterdir()) == []
     (tmp_path / "file").write_text("")  # a trace asked for under a file: refused before any step runs
-    res = bench(tmp_path, *TINY, f"bench.trace={tmp_path / 'file' / 't.json'}", expect=2)
+    res = bench_in_process(tmp_path, *TINY, f"bench.trace={tmp_path / 'file' / 't.json'}", expect=2)
     assert res.stderr.strip().splitlines()[-1].startswith(f"error: bench.trace='{tmp_path / 'file' / 't.json'}': "
                                                           "cannot make its folder")
     assert "target tokens/s" not in res.stdout and list(tmp_path.iterdir()) == [tmp_path / "file"]
@@ -119,8 +123,9 @@ def test_bench_bad_input_is_one_line_exit_2(tmp_path):
 def test_bench_at_a_recipe_micro_batch_with_loader_workers(tmp_path):
     """The WMT14 recipe's own per-GPU data.max_tokens (synthetic batches of its size), batches collated by a
     DataLoader worker as in training, eager steps: no pad-to-multiple waste."""
-    r = record(bench(tmp_path, "experiment=wmt14_base", *TINY, "data.max_tokens=3300", "data.num_workers=1",
-                     "bench.repeats=1", "bench.steps=1", "bench.profile=false"))
+    r = record(bench_in_process(tmp_path, "experiment=wmt14_base", *TINY, "data.max_tokens=3300",
+                                "data.num_workers=1", "bench.warmup=0", "bench.repeats=1", "bench.steps=1",
+                                "bench.profile=false"))
     assert r["max_tokens"] == 3300 and r["loader_workers"] == 1 and r["top_ops"] is None
     assert r["tgt_tokens_per_s"] * r["wall_s"] > 1000  # timed at the recipe's size, not a ramp's
 
@@ -675,20 +680,36 @@ def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_famil
         "(1 / 3)" in md
 
 
-def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path, tmp_path_factory):
+def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path, tmp_path_factory, monkeypatch, capsys):
     """`bench_gpu.py --dry-run`: the GPU script's plumbing on a CPU, everything shrunk: one JSON record per run,
     the header (device, date, torch, commit), a Markdown table with a row per run and the top operators; a
     graphed set on packed token budgets runs as its static shapes, a compiled one that shrinks to eager is
     skipped, and --sets picks the sets. With --compile-cache and none yet, the runs' compile caches (the loss
-    benchmark's compiled loss, here) are packed beside --out."""
+    benchmark's compiled loss, here) are packed beside --out. The script and its transformer-bench runs go in this
+    process (the command's own process is test_bench_prints_a_sane_table_and_json_line's, run_group's
+    test_bench_gpu_timeout_kills_the_runs_children_too's); the loss benchmark runs as its own process, as on a lease."""
+    from tests.helpers.inprocess import call_main
+    from transformer.cli import bench as bench_cli
+
+    bench_gpu = load_benchmark("bench_gpu")
+    real_run_group = bench_gpu.run_group
+
+    def run_group(cmd, timeout, cwd=None, env=None, **kw):
+        if cmd[1:3] != ["-m", "transformer.cli.bench"]:
+            return real_run_group(cmd, timeout, cwd=cwd, env=env, **kw)
+        res = call_main(bench_cli.main, cmd[3:], cwd, env, prog="transformer-bench")
+        return subprocess.CompletedProcess(cmd, res.returncode, res.stdout, res.stderr)
+
     out, caches = tmp_path / "b.jsonl", tmp_path_factory.mktemp("caches")
     sets = "eager,all+unpadded,compile,loss=reference,acc8+fit"
-    res = subprocess.run([sys.executable, str(Path(__file__).resolve().parents[1] / "benchmarks" / "bench_gpu.py"),
-                          "--dry-run", "--skip-tests", "--only", "base", "--sets", sets, "--out", str(out),
-                          "--budget-s", "3000",  # the plumbing, not the budget, on a slow or loaded CPU
-                          "--compile-cache", str(caches / "none-yet.tar.gz")], cwd=tmp_path,
-                         env={**cli_env(), "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}, capture_output=True,
-                         text=True, timeout=900)
+    monkeypatch.setattr(bench_gpu, "run_group", run_group)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(caches / "inductor"))
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)  # main() sets it, for its runs
+    monkeypatch.chdir(tmp_path)
+    code = bench_gpu.main(["--dry-run", "--skip-tests", "--only", "base", "--sets", sets, "--out", str(out),
+                           "--budget-s", "3000",  # the plumbing, not the budget, on a slow or loaded CPU
+                           "--compile-cache", str(caches / "none-yet.tar.gz")])
+    res = subprocess.CompletedProcess([], code, *capsys.readouterr())
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     records = [json.loads(x) for x in out.read_text().splitlines()]
     assert records[0]["kind"] == "machine" and records[0]["dry_run"] and records[0]["commit"]
