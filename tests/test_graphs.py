@@ -3,6 +3,7 @@ invisible to the loss and the gradients, an epoch needs few shapes, the graph-sa
 capturable Adam with a device learning rate, static gradient buffers) equals the ordinary step when run
 eagerly on the CPU, checkpoints cross between the two, and what cannot work is refused in one line. The
 CUDA-only part (capture and replay) is in the gpu tests at the end."""
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,9 @@ import pytest
 import torch
 
 from tests.helpers.cli import compose_cfg
+from tests.helpers.composed import composed, small_trainer
 from tests.helpers.numerics import tolerance
-from tests.test_trainer import make_trainer, ragged_pairs
+from tests.test_trainer import ragged_pairs
 from transformer.config import ConfigError, validate
 from transformer.data.batch import PAD, collate
 from transformer.data.sampler import TokenBatchSampler
@@ -133,8 +135,8 @@ def test_trainer_static_shapes_feed_only_static_shapes(tmp_path, monkeypatch, st
                      batch.n_tokens))
         return out
     monkeypatch.setattr(speedups, "prepare_batch", spy)
-    t = make_trainer(tmp_path, *FP32, "trainer.static_shapes=true", "trainer.accumulate=2",
-                     f"trainer.shape_steps={steps}")
+    t = small_trainer(tmp_path, *FP32, "trainer.static_shapes=true", "trainer.accumulate=2",
+                      f"trainer.shape_steps={steps}")
     window, flag = TrainWindow(), LaggedFlag()
     epoch = list(t.data.train_loader(0))
     for i in range(0, len(epoch) - 1, 2):
@@ -155,11 +157,11 @@ def graph_safe_trainer(tmp_path, *overrides, env=None, rank=0, world_size=1):
     from transformer.training.parallelize import parallelize
     from transformer.training.trainer import Trainer
     env = env or DistEnv()
-    cfg = compose_cfg(*SMALL, *FP32, "trainer.cuda_graphs=true", *overrides)
+    cfg = composed(*SMALL, *FP32, "trainer.cuda_graphs=true", *overrides)
     data = CopyData(cfg, cfg.seed, rank, world_size)
     torch.manual_seed(0)
     model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
-    parallel = parallelize(model, compose_cfg(*SMALL, *FP32, "trainer.static_shapes=true", *overrides), DistEnv())
+    parallel = parallelize(model, composed(*SMALL, *FP32, "trainer.static_shapes=true", *overrides), DistEnv())
     t = Trainer(cfg, env, parallel, data, build_task(cfg), tmp_path)
     whole = cfg.trainer.compile and cfg.trainer.compile_scope == "model"  # else net is the module itself
     assert t.graphs is not None and not t.graphs.capture and (t.net is t.model) != whole
@@ -169,8 +171,12 @@ def graph_safe_trainer(tmp_path, *overrides, env=None, rank=0, world_size=1):
 
 def graph_safe_pair(tmp_path, *overrides):
     """An ordinary trainer (static shapes) and a graph-safe one run eagerly, from the same weights."""
-    plain = make_trainer(tmp_path / "plain", *FP32, "trainer.static_shapes=true", *overrides)
-    return plain, graph_safe_trainer(tmp_path / "g", *overrides)
+    return plain_static_trainer(tmp_path / "plain", *overrides), graph_safe_trainer(tmp_path / "g", *overrides)
+
+
+def plain_static_trainer(tmp_path, *overrides):
+    """The ordinary step on static shapes, from graph_safe_trainer's weights."""
+    return small_trainer(tmp_path, *FP32, "trainer.static_shapes=true", *overrides)
 
 
 @pytest.mark.slow
@@ -292,19 +298,20 @@ def test_graph_safe_checkpoints_resume_exactly_and_cross_with_the_ordinary_step(
     loaded by the graph-safe step and by the ordinary one, and the other way round."""
     steps = ragged_steps(4, 2, seed=11)
     overrides = ("trainer.accumulate=2", "trainer.clip_norm=1.0")
-    _, whole = graph_safe_pair(tmp_path / "w", *overrides)
+
+    def trainer(path, graphed):
+        return graph_safe_trainer(path, *overrides) if graphed else plain_static_trainer(path, *overrides)
+    whole = trainer(tmp_path / "w", True)
     torch.manual_seed(3)
     run(whole, steps)
     for writer_graphed in (True, False):
+        writer = trainer(tmp_path / f"a{writer_graphed}", writer_graphed)
+        torch.manual_seed(3)
+        run(writer, steps[:2])
+        state = writer.state_dict()
         for reader_graphed in (True, False):
-            p1, g1 = graph_safe_pair(tmp_path / f"a{writer_graphed}{reader_graphed}", *overrides)
-            writer = g1 if writer_graphed else p1
-            torch.manual_seed(3)
-            run(writer, steps[:2])
-            state = writer.state_dict()
-            p2, g2 = graph_safe_pair(tmp_path / f"b{writer_graphed}{reader_graphed}", *overrides)
-            reader = g2 if reader_graphed else p2
-            reader.load_state_dict(state)
+            reader = trainer(tmp_path / f"b{writer_graphed}{reader_graphed}", reader_graphed)
+            reader.load_state_dict(copy.deepcopy(state))  # each reader its own checkpoint, as from a file
             assert torch.is_tensor(reader.optimizer.param_groups[0]["lr"]) == reader_graphed
             run(reader, steps[2:])
             for p, q in zip(whole.model.parameters(), reader.model.parameters(), strict=True):
@@ -347,9 +354,11 @@ def test_cuda_graphs_on_a_cpu_is_one_error_line_and_exit_code_2(tmp_path):
 def test_bench_counts_static_shape_padding_as_waste(tmp_path):
     """transformer-bench with trainer.static_shapes: the padding to the static shapes (rows and lengths) is
     counted as waste, never as useful work, and the batches take a handful of shapes."""
-    from tests.test_bench import TINY, bench, record
-    plain = record(bench(tmp_path, *TINY, "trainer.precision=fp32"))
-    static = record(bench(tmp_path, *TINY, "trainer.precision=fp32", "trainer.static_shapes=true"))
+    from tests.helpers.inprocess import bench_in_process
+    from tests.test_bench import TINY, record
+    plain = record(bench_in_process(tmp_path, *TINY, "trainer.precision=fp32", "bench.profile=false"))
+    static = record(bench_in_process(tmp_path, *TINY, "trainer.precision=fp32", "bench.profile=false",
+                                     "trainer.static_shapes=true"))
     assert plain["waste_pad_multiple"] == 0 and not plain["static_shapes"]
     assert static["static_shapes"] and 0 < static["waste_pad_multiple"] < 0.6
     assert 1 <= static["shapes"] <= 4 < plain["shapes"]  # lengths 2..41: the ladder's 8..48

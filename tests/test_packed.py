@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from tests.helpers.cli import compose_cfg
+from tests.helpers.composed import small_trainer
 from tests.helpers.numerics import assert_close_scaled
 from tests.test_graphs import FP32, assert_replay_equals_eager, graph_safe_trainer, run
-from tests.test_trainer import make_trainer
 from transformer.config import ModelConfig, validate
 from transformer.data import packed
 from transformer.data.batch import collate
@@ -139,8 +139,8 @@ def test_the_packed_sampler_refuses_a_budget_without_room_for_the_longest_exampl
 def test_static_shapes_with_unpadded_attention_trains_on_packed_budgets(tmp_path):
     """The trainer's loaders hand it packed batches of a few shapes, validation stays padded, and a run trains,
     validates and decodes."""
-    t = make_trainer(tmp_path, "trainer.static_shapes=true", "trainer.unpadded_attention=true",
-                     "trainer.max_steps=4", "trainer.max_epochs=null", "trainer.val_every=4")
+    t = small_trainer(tmp_path, "trainer.static_shapes=true", "trainer.unpadded_attention=true",
+                      "trainer.max_steps=4", "trainer.max_epochs=null", "trainer.val_every=4")
     batches = list(t.data.train_loader(0))
     assert all(b.src.dim() == 1 and b.packings is not None for b in batches)
     assert len({packed.shape_of(b) for b in batches}) <= 4
@@ -164,7 +164,7 @@ def test_the_graph_safe_step_on_packed_budgets_equals_the_ordinary_packed_step(t
     """What trainer.cuda_graphs runs with unpadded attention, run eagerly on the CPU (its packings as graph
     inputs): the ordinary packed step's statistics and gradient norms over 4 steps of 2 micro-batches."""
     extra = ("trainer.unpadded_attention=true", "trainer.accumulate=2", "trainer.clip_norm=0.5", "model.dropout=0.0")
-    plain = make_trainer(tmp_path / "plain", *FP32, "trainer.static_shapes=true", *extra)
+    plain = small_trainer(tmp_path / "plain", *FP32, "trainer.static_shapes=true", *extra)
     graphed = graph_safe_trainer(tmp_path / "g", *extra)
     steps = packed_steps(plain, 4, 2)
     for ra, rb in zip(run(plain, steps), run(graphed, steps), strict=True):
@@ -175,9 +175,10 @@ def test_the_graph_safe_step_on_packed_budgets_equals_the_ordinary_packed_step(t
 
 
 def test_bench_counts_filler_as_waste_and_no_padding(tmp_path):
-    from tests.test_bench import TINY, bench, record
-    r = record(bench(tmp_path, *TINY, "trainer.precision=fp32", "trainer.static_shapes=true",
-                     "trainer.unpadded_attention=true"))
+    from tests.helpers.inprocess import bench_in_process
+    from tests.test_bench import TINY, record
+    r = record(bench_in_process(tmp_path, *TINY, "trainer.precision=fp32", "trainer.static_shapes=true",
+                                "trainer.unpadded_attention=true", "bench.profile=false"))
     assert r["static_shapes"] and r["target_padding"] == 0 and r["waste_padding"] == 0
     assert 0 < r["waste_pad_multiple"] < 0.3 and 1 <= r["shapes"] <= 6
 
