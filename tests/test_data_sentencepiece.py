@@ -12,6 +12,7 @@ import torch
 from tests.helpers.cli import train_cmd
 from tests.helpers.data import MULTI30K, TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, data_cfg, needs_multi30k, write_corpus
 from tests.helpers.dist import run_cli
+from tests.helpers.inprocess import call_main
 from transformer.data.preprocess import Options
 from transformer.data.spm import MODEL_FILE, SentencePieceTokenizer
 from transformer.data.store import Preprocessed
@@ -152,14 +153,20 @@ def _lines_ok(res, pattern):
     (["tokenizer.vocab_size=100000"], r"^error: tokenizer.vocab_size=100000: sentencepiece cannot train"),
     (["tokenizer.character_coverage=0"], r"^error: tokenizer.character_coverage=0.0: must be in \(0, 1\]"),
 ])
-def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, message):
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, message, capfd):
+    """transformer-preprocess in this process, what sentencepiece's C++ writes to the file descriptors captured
+    too (the command's own process: test_preprocess_cli.py)."""
+    from transformer.cli import preprocess
+
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "junk.model").write_bytes(b"not a model")
     args = [a.replace("NOTAMODEL", str(tmp_path / "corpus" / "junk.model")) for a in args]
-    res = run_cli([sys.executable, "-m", "transformer.cli.preprocess", "data=files", "tokenizer=sentencepiece",
-                   f"data.files.train={write_corpus(tmp_path / 'corpus', 'train', DE, EN)}",
-                   f"data.files.val={write_corpus(tmp_path / 'corpus', 'val', VAL_DE, VAL_EN)}",
-                   f"preprocess.out_dir={tmp_path / 'bin'}", "preprocess.progress=false", *args], tmp_path, expect=2)
+    res = call_main(preprocess.main, ["data=files", "tokenizer=sentencepiece",
+                                      f"data.files.train={write_corpus(tmp_path / 'corpus', 'train', DE, EN)}",
+                                      f"data.files.val={write_corpus(tmp_path / 'corpus', 'val', VAL_DE, VAL_EN)}",
+                                      f"preprocess.out_dir={tmp_path / 'bin'}", "preprocess.progress=false", *args],
+                    tmp_path, prog="transformer-preprocess", capture=capfd)
+    assert res.returncode == 2, res.stderr
     assert _lines_ok(res, message), res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
 

@@ -7,6 +7,7 @@ import pytest
 from tests.helpers.cli import train_cmd
 from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, write_corpus
 from tests.helpers.dist import assert_same_state, assert_same_weights, last_ckpt, run_cli
+from tests.helpers.inprocess import call_main
 from tests.helpers.textfiles import fifo
 from transformer.data.corpus import READ_TWICE
 from transformer.data.store import MANIFEST, Preprocessed
@@ -39,9 +40,15 @@ def test_preprocess_command_writes_a_verified_folder(tmp_path):
                                                                          r"/nonexistent/train\.de"),
     (["preprocess.out_dir=OUT", "tokenizer.name=wordpiece"], r"^error: tokenizer.name='wordpiece'"),
 ])
-def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, message):
+def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, args, message, capfd):
+    """In this process (the command's own process: test_preprocess_command_writes_a_verified_folder, and
+    test_contract.py's bad input)."""
+    from transformer.cli import preprocess
+
     args = [a.replace("OUT", str(tmp_path / "bin")) for a in args]
-    res = run_cli([*PRE, *corpus(tmp_path), *args, "preprocess.progress=false"], tmp_path, expect=2)
+    res = call_main(preprocess.main, [*corpus(tmp_path), *args, "preprocess.progress=false"], tmp_path,
+                    prog="transformer-preprocess", capture=capfd)
+    assert res.returncode == 2, res.stderr
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and pytest.importorskip("re").search(message, lines[0]), res.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]

@@ -11,11 +11,15 @@ from pathlib import Path
 from typing import Callable, Optional
 
 
-def call_main(main: Callable, argv: list, cwd: Path, env: Optional[dict] = None,
-              prog: str = "transformer") -> subprocess.CompletedProcess:
-    """main() with sys.argv = [prog, *argv] in `cwd` (and the environment `env` where given), its output captured.
-    The working folder, environment, argv and root logger (commands set up their own) are restored after."""
+def call_main(main: Callable, argv: list, cwd: Path, env: Optional[dict] = None, prog: str = "transformer",
+              capture=None) -> subprocess.CompletedProcess:
+    """main() with sys.argv = [prog, *argv] in `cwd` (and the environment `env` where given), its output captured:
+    by pytest's `capture` fixture where given (capfd: what C libraries write to the file descriptors too), else
+    sys.stdout and sys.stderr. The working folder, environment, argv and root logger (commands set up their own)
+    are restored after."""
     out, err = io.StringIO(), io.StringIO()
+    if capture is not None:
+        capture.readouterr()  # what came before is not the command's
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     saved_argv, here, environ = sys.argv, os.getcwd(), dict(os.environ)
@@ -26,7 +30,9 @@ def call_main(main: Callable, argv: list, cwd: Path, env: Optional[dict] = None,
         if env is not None:
             os.environ.clear()
             os.environ.update(env)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        redirect = capture is None
+        with contextlib.redirect_stdout(out) if redirect else contextlib.nullcontext(), \
+                contextlib.redirect_stderr(err) if redirect else contextlib.nullcontext():
             try:
                 result = main()
                 code = result if isinstance(result, int) else 0
@@ -42,7 +48,8 @@ def call_main(main: Callable, argv: list, cwd: Path, env: Optional[dict] = None,
             os.environ.update(environ)
         root.handlers[:] = handlers
         root.setLevel(level)
-    return subprocess.CompletedProcess([prog, *map(str, argv)], code, out.getvalue(), err.getvalue())
+    outputs = capture.readouterr() if capture is not None else (out.getvalue(), err.getvalue())
+    return subprocess.CompletedProcess([prog, *map(str, argv)], code, *outputs)
 
 
 def bench_in_process(cwd: Path, *overrides: str, expect: int = 0, env: Optional[dict] = None
