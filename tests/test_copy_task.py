@@ -24,7 +24,8 @@ def run_copy(tmp_path, *overrides, timeout=900):
 def test_short_copy_run_writes_the_run_directory(tmp_path):
     run_dir, proc = run_copy(tmp_path, "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2",
                              "data.copy.train_size=300", "data.copy.val_size=40", "data.copy.test_size=40",
-                             "trainer.max_steps=6", "trainer.val_every=3", "checkpoint.every_steps=3")
+                             "trainer.max_steps=6", "trainer.val_every=3", "checkpoint.every_steps=3",
+                             "logger.trackers=[]")  # TensorBoard's figures: test_trackers.py's CLI run
     assert (run_dir / ".hydra" / "config.yaml").is_file()
     assert {"last.pt", "best.pt", "step_00000006.pt"} <= {p.name for p in (run_dir / "checkpoints").iterdir()}
     records = read_metrics(run_dir)

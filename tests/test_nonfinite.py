@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from tests.helpers.cli import compose_cfg, free_port
 from tests.helpers.dist import join_gloo, train
+from tests.helpers.models import one_thread  # noqa: F401  (autouse)
 from tests.test_trainer import SMALL, make_trainer
 from transformer import dist, exit_codes
 from transformer.data.copy import CopyData
@@ -109,7 +110,7 @@ def test_the_diverging_copy_run_exits_4_with_finite_checkpoints(tmp_path):
     """The issue's repro (`optim.factor=1e6`): it used to end 'done', exit 0, with NaN weights as best.pt."""
     run = tmp_path / "run"
     res = train(run, "optim.factor=1e6", "trainer.max_steps=200", "trainer.val_every=5", "checkpoint.every_steps=5",
-                cwd=tmp_path, expect=exit_codes.DIVERGED)
+                "logger.trackers=[]", cwd=tmp_path, expect=exit_codes.DIVERGED)
     lines = [ln for ln in res.stderr.splitlines() if "training diverged" in ln]
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert "learning rate" in lines[0] and f"last finite checkpoint: {run}/checkpoints/step_" in lines[0]
