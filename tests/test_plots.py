@@ -112,7 +112,7 @@ def test_deep_model_keeps_few_figures_open(run_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(plots, "heads_figure", counting)
     torch.manual_seed(0)
-    model = Transformer.from_config(ModelConfig(N=8, d_model=16, d_ff=32, h=2, dropout=0.0), 12, 12, shared_vocab=True)
+    model = Transformer.from_config(ModelConfig(N=8, d_model=16, d_ff=32, h=1, dropout=0.0), 12, 12, shared_vocab=True)
     paths = plots.save_figures(plots.chain(plots.curve_figures(read_metrics(run_dir / "metrics.jsonl")).items(),
                                            plots.attention_figures(model, CopyTokenizer(12), "4 5")),
                                tmp_path / "png")
