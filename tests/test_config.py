@@ -5,6 +5,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from tests.helpers.cli import CONF, cli_env, compose_cfg, train_cmd
+from tests.helpers.inprocess import call_main
 from transformer.config import ConfigError, validate
 
 
@@ -89,10 +90,13 @@ def test_anneal_needs_the_run_length_in_steps_or_minutes():
     ("optim.lrr=1", "Key 'lrr' not in 'OptimConfig'"),
     ("model.h=7", "model.d_model=512: must be divisible by model.h=7"),
 ])
-def test_bad_override_exits_nonzero_and_writes_nothing(tmp_path, override, message):
+def test_bad_override_exits_nonzero_and_writes_nothing(tmp_path, override, message, capfd):
+    """transformer-train's main() in this process (test_contract.py starts it as a process on bad input)."""
+    from transformer.cli import train as train_cli
+
     run_dir = tmp_path / "run"
-    proc = subprocess.run(train_cmd(override, f"hydra.run.dir={run_dir}"), cwd=tmp_path, env=cli_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = call_main(train_cli.main, [override, f"hydra.run.dir={run_dir}"], tmp_path, prog="transformer-train",
+                     capture=capfd)
     assert proc.returncode != 0
     assert message in proc.stderr
     assert not run_dir.exists() or not any(run_dir.iterdir())
@@ -104,16 +108,21 @@ def test_bad_override_exits_nonzero_and_writes_nothing(tmp_path, override, messa
      "corpus file not found: corpus/train.de", "1"),
     (["data=files", "data.files.train=corpus/train", "data.files.val=corpus/val"],
      "corpus file not found: corpus/train.de", "2"),
-    (["experiment=multi30k", "data.root=mt", "data.url=http://127.0.0.1:9"],
-     "could not download http://127.0.0.1:9/train.de.gz", "1"),
+    (["experiment=multi30k", "data.root=mt", "data.url=http://127.0.0.1:9", "data.download_retries=1"],
+     "could not download http://127.0.0.1:9/train.de.gz", "1"),  # one try: no backoff sleeps (1 + 2 + 4 s)
 ], ids=["missing_corpus", "missing_corpus_spawned", "download_refused"])
-def test_bad_data_exits_2_in_one_line_and_leaves_no_run_dir(tmp_path, overrides, message, devices):
+def test_bad_data_exits_2_in_one_line_and_leaves_no_run_dir(tmp_path, overrides, message, devices, capfd):
     """Errors found after the config passed (corpus files, downloads), on one worker or in spawned workers:
-    one `error:` line naming the file or URL, exit code 2, and no run directory left behind."""
+    one `error:` line naming the file or URL, exit code 2, and no run directory left behind. The spawned workers'
+    case starts the command as a process, the others run its main() in this process."""
+    from transformer.cli import train as train_cli
+
     env = {**cli_env(), "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    proc = subprocess.run(train_cmd(*overrides, f"trainer.devices={devices}", "trainer.accelerator=cpu",
-                                    "trainer.progress=false"),
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    argv = [*overrides, f"trainer.devices={devices}", "trainer.accelerator=cpu", "trainer.progress=false"]
+    if devices == "1":
+        proc = call_main(train_cli.main, argv, tmp_path, env=env, prog="transformer-train", capture=capfd)
+    else:
+        proc = subprocess.run(train_cmd(*argv), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]

@@ -12,8 +12,10 @@ import torch
 
 from tests.helpers.cli import cli_env, train_cmd
 from tests.helpers.dist import TINY
+from tests.helpers.inprocess import call_main
 from tests.helpers.models import copy_checkpoint, one_thread  # noqa: F401 (autouse fixture)
 from transformer.cli import average, evaluate, plot, translate
+from transformer.cli import train as train_cli
 from transformer.training.checkpoint import atomic_save
 
 
@@ -58,10 +60,15 @@ if not torch.cuda.is_available():
 
 
 @pytest.mark.parametrize("overrides, fragments", TRAIN_CASES, ids=lambda v: " ".join(v)[:60] if v else "")
-def test_train_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, overrides, fragments):
+def test_train_bad_input_is_one_line_exit_2_and_leaves_nothing(tmp_path, overrides, fragments, capfd):
+    """The first case starts the command as a process; the others run its main() in this process, what is
+    written to the file descriptors captured as from a process."""
     (tmp_path / "notes.txt").write_text("not a folder\n")
     before = tree_digest(tmp_path)
-    r = run_train(tmp_path, *overrides)
+    if overrides == TRAIN_CASES[0][0]:
+        r = run_train(tmp_path, *overrides)
+    else:
+        r = call_main(train_cli.main, overrides, tmp_path, prog="transformer-train", capture=capfd)
     assert r.returncode == 2, r.stderr
     assert_one_error_line(r.stderr, *fragments)
     assert tree_digest(tmp_path) == before  # no outputs/, no multirun/, no .hydra
@@ -158,16 +165,22 @@ def test_translate_truncates_over_long_sources_with_a_warning_per_line(files, ca
     assert err.count("warning") == 1 and "line 2: 40 source tokens, truncated to 8" in err
 
 
-@pytest.mark.parametrize("module, args, fragment", [
-    ("transformer.cli.bench", ["optim.lrr=1"], "optim.lrr"),
-    ("transformer.cli.bench", ["bench.steps=0"], "bench.steps=0"),
-    ("transformer.cli.preprocess", ["data.max_len=0", "preprocess.out_dir=out"], "data.max_len=0"),
-    ("transformer.cli.preprocess", ["tokenizer=nope", "preprocess.out_dir=out"], "tokenizer/nope"),
+@pytest.mark.parametrize("module, args, fragment, process", [
+    ("transformer.cli.bench", ["optim.lrr=1"], "optim.lrr", True),
+    ("transformer.cli.bench", ["bench.steps=0"], "bench.steps=0", False),
+    ("transformer.cli.preprocess", ["data.max_len=0", "preprocess.out_dir=out"], "data.max_len=0", True),
+    ("transformer.cli.preprocess", ["tokenizer=nope", "preprocess.out_dir=out"], "tokenizer/nope", False),
 ])
-def test_bench_and_preprocess_bad_input_is_one_line_exit_2(tmp_path, module, args, fragment):
+def test_bench_and_preprocess_bad_input_is_one_line_exit_2(tmp_path, module, args, fragment, process, capfd):
+    """One case of each command starts it as a process, the other runs its main() in this process."""
+    import importlib
+
     before = tree_digest(tmp_path)
-    r = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=cli_env(), capture_output=True,
-                       text=True, timeout=240)
+    if process:
+        r = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, env=cli_env(), capture_output=True,
+                           text=True, timeout=240)
+    else:
+        r = call_main(importlib.import_module(module).main, args, tmp_path, capture=capfd)
     assert r.returncode == 2, r.stderr
     assert_one_error_line(r.stderr, fragment)
     assert tree_digest(tmp_path) == before
