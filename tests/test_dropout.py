@@ -125,6 +125,13 @@ def test_cpu_attention_drops_weights_with_the_cheap_mask():
     assert torch.allclose(out, (scores.softmax(-1) * drops) @ v)
     assert (drops == 0).any() and (drops > 1).any()
 
+    # gradcheck on smaller inputs (its finite differences cost a forward per input element: 104 here, not 912),
+    # a padded key and dropped weights among them
+    q, k, v, mask = _attention_inputs(torch.float64, B=2, h=1, T=3, S=5, d_k=4)
+    torch.manual_seed(5)
+    drops = keep_mask(torch.Size([2, 1, 3, 5]), 0.25, torch.float64)
+    assert (drops == 0).any() and (drops > 1).any() and not mask.all()
+
     def seeded(q, k, v):
         torch.manual_seed(5)
         return _cpu_dropout_attention(q, k, v, mask, False, 0.25)
