@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from tests.helpers.cli import cli_env
-from tests.helpers.dist import train, wait_for
+from tests.helpers.dist import wait_for
 from transformer import exit_codes
 from transformer.config import ConfigError
 from transformer.training import runlock
@@ -65,16 +65,18 @@ def one_error_line(stderr: str) -> str:
     return errors[0]
 
 
-def test_a_refused_start_leaves_the_directory_of_a_run_still_preparing_its_data(tmp_path):
+def test_a_refused_start_leaves_the_directory_of_a_run_still_preparing_its_data(tmp_path, monkeypatch, capsys):
     """The first run holds the lock on the folder Hydra just made and has written nothing else; a second start
-    is refused, and must not take "the folder was empty" for "I made it" and remove it (issue 73)."""
+    (transformer-train's run(), in this process) is refused, and must not take "the folder was empty" for "I
+    made it" and remove it (issue 73)."""
     run = tmp_path / "run"
     run.mkdir()
     holder = hold(run)
     try:
         before = tree(run)
-        res = train(run, "trainer.max_steps=2", cwd=tmp_path, expect=exit_codes.USER_ERROR)
-        line = one_error_line(res.stderr)
+        code = run_cli_in_process(monkeypatch, run, fails_after_writing("checkpoints/never.pt"))  # never launched
+        assert code == exit_codes.USER_ERROR
+        line = one_error_line(capsys.readouterr().err)
         assert f"another run is using this run directory (pid {holder.pid} on host" in line
         assert run.is_dir() and tree(run) == before
         with pytest.raises(ConfigError, match=f"pid {holder.pid} on host"):  # its lock is where it was
