@@ -4,6 +4,7 @@ tokenizer is refused with one line naming both settings."""
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.helpers.cli import compose_cfg, train_cmd
 from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, write_corpus
@@ -13,7 +14,11 @@ from transformer import exit_codes
 from transformer.data import build_data
 from transformer.data.tokenizer import tokenizer_from_state
 from transformer.dist import DistEnv
+from transformer.model import Transformer
+from transformer.tasks import build_task
 from transformer.training.checkpoint import load_checkpoint
+from transformer.training.parallelize import parallelize
+from transformer.training.trainer import Trainer
 
 # No TensorBoard: its end-of-run figures (matplotlib) took a third of each run; nothing here reads them.
 QUIET = ("logger.trackers=[]",)
@@ -34,10 +39,25 @@ def run(tmp_path: Path, name: str, *overrides: str, expect: int = 0):
 
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory):
-    """(the first corpus's overrides, the checkpoint of a run on it): one run, read by both tests."""
+    """(the first corpus's overrides, the checkpoint of a run on it): one run, read by both tests. Trained in this
+    process as the launcher's worker wires it (data, model, Trainer): only the runs from it are the CLI's."""
     folder = tmp_path_factory.mktemp("init-from")
     first = files_data(folder / "c1", 5)
-    run(folder, "base", *first)
+    cfg = compose_cfg(*TRAIN, *QUIET, "trainer.max_steps=2", *first)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices
+    with pytest.MonkeyPatch.context() as mp:  # conftest's private cache is set per test, after this fixture
+        mp.setenv("XDG_CACHE_HOME", str(folder / "xdg-cache"))
+        try:
+            data = build_data(cfg, DistEnv(), folder / "base")
+            torch.manual_seed(cfg.seed)
+            model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+            trainer = Trainer(cfg, DistEnv(), parallelize(model, cfg, DistEnv()), data, build_task(cfg),
+                              folder / "base")
+            assert trainer.train() == 0
+            trainer.close(0)
+        finally:
+            torch.set_num_threads(threads)
     return first, folder / "base" / "checkpoints" / "last.pt"
 
 
