@@ -40,14 +40,28 @@ def everything_loads(run: Path) -> None:
     ("step_00000004.pt", "step_00000002.pt", ()),  # a periodic (and validation's best) checkpoint
     ("average_last2.pt", "step_00000006.pt", ("checkpoint.average_last=2",)),  # the end-of-run average
 ], ids=["checkpoint", "average"])
-def test_a_full_disk_is_one_line_exit_5_and_the_same_command_resumes(tmp_path, fails, last, extra):
+def test_a_full_disk_is_one_line_exit_5_and_the_same_command_resumes(tmp_path, fails, last, extra, capfd):
+    """The periodic checkpoint's case starts the command as processes; the average's runs its main() in this
+    process, what is written to the file descriptors captured as from a process."""
     run = tmp_path / "run"
-    res = train(run, *STEPS, *extra, cwd=tmp_path, expect=exit_codes.ENVIRONMENT, env=env_for(**{FAULT_ENV: fails}))
+    if fails.startswith("step_"):
+        def command(env=None, expect=0):
+            return train(run, *STEPS, *extra, cwd=tmp_path, expect=expect, env=env)
+    else:
+        from tests.helpers.inprocess import call_main
+        from transformer.cli import train as train_cli
+
+        def command(env=None, expect=0):
+            res = call_main(train_cli.main, [*TINY, f"hydra.run.dir={run}", *STEPS, *extra], tmp_path,
+                            env=env or env_for(), prog="transformer-train", capture=capfd)
+            assert res.returncode == expect, res.stderr[-6000:]
+            return res
+    res = command(env=env_for(**{FAULT_ENV: fails}), expect=exit_codes.ENVIRONMENT)
     line = one_error_line(res.stderr)
     assert f"cannot write {run}/checkpoints/{fails}: No space left on device (" in line and " free of " in line
     assert f"last checkpoint: {run}/checkpoints/{last}" in line and "rerun the same command" in line
     everything_loads(run)
-    res = train(run, *STEPS, *extra, cwd=tmp_path)  # space freed
+    res = command()  # space freed
     assert (run / "checkpoints" / "best.pt").is_file()
     everything_loads(run)
 

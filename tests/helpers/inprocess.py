@@ -15,13 +15,15 @@ def call_main(main: Callable, argv: list, cwd: Path, env: Optional[dict] = None,
               capture=None) -> subprocess.CompletedProcess:
     """main() with sys.argv = [prog, *argv] in `cwd` (and the environment `env` where given), its output captured:
     by pytest's `capture` fixture where given (capfd: what C libraries write to the file descriptors too), else
-    sys.stdout and sys.stderr. The working folder, environment, argv and root logger (commands set up their own)
-    are restored after."""
+    sys.stdout and sys.stderr. The working folder, environment, argv, root logger and torch's threads (commands
+    set up their own) are restored after."""
     out, err = io.StringIO(), io.StringIO()
     if capture is not None:
         capture.readouterr()  # what came before is not the command's
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None  # training sets its own
     saved_argv, here, environ = sys.argv, os.getcwd(), dict(os.environ)
     code = 0
     try:
@@ -48,6 +50,8 @@ def call_main(main: Callable, argv: list, cwd: Path, env: Optional[dict] = None,
             os.environ.update(environ)
         root.handlers[:] = handlers
         root.setLevel(level)
+        if threads is not None:
+            torch.set_num_threads(threads)
     outputs = capture.readouterr() if capture is not None else (out.getvalue(), err.getvalue())
     return subprocess.CompletedProcess([prog, *map(str, argv)], code, *outputs)
 
