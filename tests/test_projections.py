@@ -157,7 +157,7 @@ def test_memory_kv_gradient_is_assembled_in_the_products_layout():
         graphs.append(gm)
         return make_boxed_func(gm.forward)
 
-    model = make(N_dec=3)
+    model = make(N=1, N_dec=3)  # one encoder layer: the memory's products are the decoder's
     B, S, T = 2, 7, 5
     src, tgt = torch.randint(4, 23, (B, S)), torch.randint(4, 23, (B, T))
     torch._dynamo.reset()
