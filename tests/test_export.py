@@ -95,7 +95,8 @@ def test_hf_folder_loads_with_auto_classes_and_greedy_equals_ours(tmp_path):
 
 def ct2_logprobs(folder, tok, model, compute_type="default"):
     """CTranslate2's per-token log probabilities of our greedy outputs, and ours."""
-    translator = ctranslate2.Translator(str(folder), device="cpu", compute_type=compute_type)
+    # One thread: a new translator's idle threads spin on the cores torch needs next (1-3 s a test on 2 cores).
+    translator = ctranslate2.Translator(str(folder), device="cpu", compute_type=compute_type, intra_threads=1)
     hyps = translate_sentences(model, tok, SRC, GREEDY)
     targets = [tok.tgt_tokens(h[0].tokens) for h in hyps]
     scored = translator.score_batch(source_tokens(tok, SRC), targets)

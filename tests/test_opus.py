@@ -283,7 +283,7 @@ def test_the_imported_model_exports_to_hf_and_ctranslate2(opus, tmp_path):
         assert torch.equal(again.eval()(src, tgt_in), model(src, tgt_in))
     ct2 = pytest.importorskip("ctranslate2")
     export_ct2(model, tok, tmp_path / "ct2")
-    translator = ct2.Translator(str(tmp_path / "ct2"), device="cpu")
+    translator = ct2.Translator(str(tmp_path / "ct2"), device="cpu", intra_threads=1)  # no threads spinning idle
     for tokens, h in zip(source_tokens(tok, de), hyps, strict=True):
         limit = int(GREEDY.max_len_a * len(tokens) + GREEDY.max_len_b)
         out = translator.translate_batch([tokens], beam_size=1, max_decoding_length=limit,
