@@ -338,13 +338,13 @@ def test_cuda_graphs_refuses_a_cpu():
     check_cuda_graphs(tcfg, torch.device("cuda", 0))  # accepted
 
 
-def test_cuda_graphs_on_a_cpu_is_one_error_line_and_exit_code_2(tmp_path):
-    import subprocess
-
-    from tests.helpers.cli import cli_env, train_cmd
-    res = subprocess.run(train_cmd("experiment=copy", "trainer.cuda_graphs=true", "trainer.accelerator=cpu",
-                                   "trainer.max_steps=1", f"hydra.run.dir={tmp_path}/run"),
-                         capture_output=True, text=True, env=cli_env(), timeout=300)
+def test_cuda_graphs_on_a_cpu_is_one_error_line_and_exit_code_2(tmp_path, capfd):
+    """transformer-train's main() in this process (test_contract.py starts the command as a process)."""
+    from tests.helpers.inprocess import call_main
+    from transformer.cli import train as train_cli
+    res = call_main(train_cli.main, ["experiment=copy", "trainer.cuda_graphs=true", "trainer.accelerator=cpu",
+                                     "trainer.max_steps=1", f"hydra.run.dir={tmp_path}/run"], tmp_path,
+                    prog="transformer-train", capture=capfd)
     assert res.returncode == 2, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
     assert errors == ["error: trainer.cuda_graphs=true: needs a CUDA device, this run is on cpu; set "
