@@ -26,23 +26,27 @@ def test_threads_follow_the_affinity_mask(monkeypatch):
 def test_keep_freed_memory_stops_page_faults_on_reuse():
     """trainer.keep_freed_memory (speedups.keep_freed_memory): a 64 MiB tensor allocated, freed and allocated
     again faults its pages in while the heap grows, then never (by default glibc serves blocks over 32 MiB
-    with a fresh mmap each time). In a child process, since the setting is process-wide."""
+    with a fresh mmap each time). In a child process, since the setting is process-wide: first without it,
+    then with it (it cannot be turned off again)."""
+    import json
     import subprocess
     import sys
     code = """
-import resource, sys, torch
+import json, resource, torch
 from transformer.training.speedups import keep_freed_memory
-if sys.argv[1] == "on":
-    assert keep_freed_memory()
-for _ in range(10):  # warm-up: the heap grows to its size for this pattern
-    torch.ones(1 << 24)  # 64 MiB of float32, freed at once
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
-    torch.ones(1 << 24)
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+def faults():
+    for _ in range(10):  # warm-up: the heap grows to its size for this pattern
+        torch.ones(1 << 24)  # 64 MiB of float32, freed at once
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(5):
+        torch.ones(1 << 24)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+off = faults()
+assert keep_freed_memory()
+print(json.dumps({"off": off, "on": faults()}))
 """
-    faults = {mode: int(subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True,
-                                       check=True).stdout) for mode in ("off", "on")}
+    faults = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                       check=True).stdout)
     pages = (64 << 20) // 4096  # 16,384 pages of 4 KiB per allocation
     assert faults["off"] > 4 * pages // 2, faults  # default glibc: every allocation faults in anew
     assert faults["on"] < pages // 4, faults
