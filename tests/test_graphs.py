@@ -136,7 +136,7 @@ def test_trainer_static_shapes_feed_only_static_shapes(tmp_path, monkeypatch, st
         return out
     monkeypatch.setattr(speedups, "prepare_batch", spy)
     t = small_trainer(tmp_path, *FP32, "trainer.static_shapes=true", "trainer.accumulate=2",
-                      f"trainer.shape_steps={steps}")
+                      f"trainer.shape_steps={steps}", "data.copy.train_size=64")  # an epoch of 4 batches
     window, flag = TrainWindow(), LaggedFlag()
     epoch = list(t.data.train_loader(0))
     for i in range(0, len(epoch) - 1, 2):
