@@ -218,13 +218,14 @@ def test_what_does_not_map_is_refused_in_one_line(tmp_path):
 def test_init_from_the_folder_fine_tunes_with_its_tokenizer(opus, tmp_path):
     """trainer.init_from=DIR: a config without the folder's architecture is refused in one line that lists the
     overrides (checked in this process: the refusal's way to exit code 2 is test_init_from.py's); with them, the
-    run trains and keeps the imported tokenizer."""
+    run (transformer-train's main() in this process) trains and keeps the imported tokenizer."""
     import re
 
-    from helpers.cli import compose_cfg, train_cmd
+    from helpers.cli import compose_cfg
     from helpers.data import write_corpus
-    from helpers.dist import run_cli
+    from helpers.inprocess import call_main
 
+    from transformer.cli import train as train_cli
     from transformer.config import ConfigError
     from transformer.training.checkpoint import load_checkpoint
     from transformer.training.init_from import prepare_init_from
@@ -242,7 +243,9 @@ def test_init_from_the_folder_fine_tunes_with_its_tokenizer(opus, tmp_path):
     assert "\n" not in why
     fix = re.search(r"holds a model this config does not build: set (.*) \(this config has", why).group(1)
     assert "model.activation=swish" in fix and "model.output_bias=true" in fix and "model.N=2" in fix
-    run_cli(train_cmd(*base, *fix.split(), f"hydra.run.dir={tmp_path / 'tuned'}"), tmp_path)
+    # transformer-train in this process (test_init_from.py starts the init_from runs as processes)
+    res = call_main(train_cli.main, [*base, *fix.split(), f"hydra.run.dir={tmp_path / 'tuned'}"], tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]
     tuned = load_checkpoint(tmp_path / "tuned" / "checkpoints" / "last.pt")
     imported = import_hf(folder)
     assert tuned["tokenizer"] == imported["tokenizer"] and tuned["trainer"]["step"] == 3
