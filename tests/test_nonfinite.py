@@ -12,10 +12,12 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.helpers.cli import compose_cfg, free_port
-from tests.helpers.dist import join_gloo, train
+from tests.helpers.dist import TINY, join_gloo
+from tests.helpers.inprocess import call_main
 from tests.helpers.models import one_thread  # noqa: F401  (autouse)
 from tests.test_trainer import SMALL, make_trainer
 from transformer import dist, exit_codes
+from transformer.cli import train as train_cli
 from transformer.data.copy import CopyData
 from transformer.model import Transformer
 from transformer.tasks import build_task
@@ -107,10 +109,13 @@ def test_bad_policy_is_refused():
 
 
 def test_the_diverging_copy_run_exits_4_with_finite_checkpoints(tmp_path):
-    """The issue's repro (`optim.factor=1e6`): it used to end 'done', exit 0, with NaN weights as best.pt."""
+    """The issue's repro (`optim.factor=1e6`): it used to end 'done', exit 0, with NaN weights as best.pt.
+    transformer-train's main() in this process: the same command line without an interpreter start."""
     run = tmp_path / "run"
-    res = train(run, "optim.factor=1e6", "trainer.max_steps=200", "trainer.val_every=5", "checkpoint.every_steps=5",
-                "logger.trackers=[]", cwd=tmp_path, expect=exit_codes.DIVERGED)
+    res = call_main(train_cli.main, [*TINY, f"hydra.run.dir={run}", "optim.factor=1e6", "trainer.max_steps=200",
+                                     "trainer.val_every=5", "checkpoint.every_steps=5", "logger.trackers=[]"],
+                    tmp_path, prog="transformer-train")
+    assert res.returncode == exit_codes.DIVERGED, res.stderr[-3000:]
     lines = [ln for ln in res.stderr.splitlines() if "training diverged" in ln]
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert "learning rate" in lines[0] and f"last finite checkpoint: {run}/checkpoints/step_" in lines[0]
