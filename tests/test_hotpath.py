@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.helpers.cli import compose_cfg, free_port
+from tests.helpers.composed import small_trainer as make_trainer  # composed once a process
 from tests.helpers.dist import join_gloo
-from tests.test_trainer import SMALL, make_trainer, ragged_pairs
+from tests.test_trainer import SMALL, ragged_pairs
 from transformer import dist
 from transformer.data.batch import PAD, collate
 from transformer.data.copy import CopyData

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers.composed import small_trainer as make_trainer  # composed once a process
 from tests.helpers.decoding import beam
-from tests.test_trainer import make_trainer
 from transformer.config import ModelConfig
 from transformer.model import Transformer
 from transformer.model.projections import fuse_projections, separate_parameter_order, split_projections

@@ -4,7 +4,7 @@ trace as one graph for torch.compile to fuse."""
 import pytest
 import torch
 
-from tests.test_trainer import make_trainer
+from tests.helpers.composed import small_trainer as make_trainer  # composed once a process
 from transformer.config import ModelConfig
 from transformer.model import Transformer
 from transformer.specials import PAD

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tests.helpers.composed import small_trainer as make_trainer  # composed once a process
 from tests.helpers.numerics import close_scaled
-from tests.test_trainer import make_trainer
 from transformer.config import ModelConfig
 from transformer.data.batch import collate
 from transformer.model import Transformer

@@ -10,9 +10,9 @@ import inspect
 import pytest
 import torch
 
+from tests.helpers.composed import small_trainer as make_trainer  # composed once a process
 from tests.helpers.numerics import assert_close_scaled
 from tests.test_graphs import run
-from tests.test_trainer import make_trainer
 from tests.test_varlen import padded_then_unpadded, varied_batch
 from transformer.data import packed
 from transformer.model import varlen
