@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST := $(BIN)/python -m pytest
+# The fast and slow tiers run on pytest-xdist workers (tests/conftest.py shares the cores out among them):
+# their end-to-end tests wait on process starts and subprocesses, which a second worker fills. 1 = serial.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal,)
 # CPU machines pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
 CONSTRAINTS ?= constraints-cpu.txt
 
@@ -31,10 +35,10 @@ train: $(VENV)/.runtime  ## the copy task end to end on this machine (about 1.5 
 	$(BIN)/transformer-train experiment=copy
 
 test: install  ## fast CPU tier
-	$(PYTEST) -m "not slow and not distributed and not docker and not slurm and not gpu"
+	$(PYTEST) $(XDIST) -m "not slow and not distributed and not docker and not slurm and not gpu"
 
 test-slow: install  ## end-to-end runs and multi-process (gloo on 127.0.0.1) tests
-	$(PYTEST) -m "(slow or distributed) and not docker and not slurm and not gpu"
+	$(PYTEST) $(XDIST) -m "(slow or distributed) and not docker and not slurm and not gpu"
 
 test-wheel: install  ## builds an sdist and a wheel, installs the wheel in a fresh venv, trains from it away from the clone
 	TIER_PYTHON=$(BIN)/python bash launch/ci/run-wheel-tier.sh
@@ -54,13 +58,13 @@ FLOOR_TESTS := tests/test_model.py tests/test_decode.py tests/test_flops.py test
 	tests/test_dropout.py tests/test_loss_optim.py tests/test_projections.py tests/test_graphs.py \
 	tests/test_trainer.py tests/test_translate.py tests/test_average.py tests/test_compat.py tests/test_evaluate.py
 
-$(FLOOR_VENV)/.installed: setup.cfg pyproject.toml  # once, as install does: torch's download is about 3 GB
+$(FLOOR_VENV)/.installed: setup.cfg setup.py pyproject.toml  # once, as install does: torch's download is about 3 GB
 	$(PYTHON) -m venv $(FLOOR_VENV)
-	$(FLOOR_VENV)/bin/python -m pip install -q "torch==$(FLOOR_TORCH)" -e . pytest pytest-timeout
+	$(FLOOR_VENV)/bin/python -m pip install -q "torch==$(FLOOR_TORCH)" -e . pytest pytest-timeout pytest-xdist
 	touch $@
 
 test-floor: $(FLOOR_VENV)/.installed  ## the core tests under torch $(FLOOR_TORCH), setup.cfg's floor
-	$(FLOOR_VENV)/bin/python -m pytest -m "not slow and not gpu" -p no:warnings $(FLOOR_TESTS)
+	$(FLOOR_VENV)/bin/python -m pytest $(XDIST) -m "not slow and not gpu" -p no:warnings $(FLOOR_TESTS)
 
 test-gpu: install  ## needs a CUDA GPU
 	$(PYTEST) -m gpu

@@ -7,7 +7,10 @@ import torch
 from tests.helpers.cli import compose_cfg
 from tests.helpers.report import pytest_runtest_logreport  # noqa: F401 (a hook: TRANSFORMER_TEST_LOG)
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Under pytest-xdist (`make test` runs two workers) the cores are shared out among the workers: more torch threads
+# than cores make every worker spin-wait on the others.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 
 
 @pytest.fixture
