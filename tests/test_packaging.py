@@ -105,12 +105,19 @@ def test_config_dir_composes_in_the_precheck(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_config_dir_errors_are_one_line(tmp_path):
+def test_config_dir_errors_are_one_line(tmp_path, capfd):
+    """The first as a process, the second through transformer-train's main() in this process."""
+    from tests.helpers.inprocess import call_main
+    from transformer.cli import train as train_cli
+
     bad = write_mine(tmp_path / "bad", MINE.replace("max_steps", "max_stepz"))
     for args, fragment in ((["--config-dir", str(bad), "experiment=mine"], "trainer.max_stepz"),
                            (["--config-dir", str(tmp_path / "nowhere")], "--config-dir")):
-        r = subprocess.run(train_cmd(*args), cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
-                           timeout=120)
+        if fragment == "--config-dir":
+            r = call_main(train_cli.main, args, tmp_path, prog="transformer-train", capture=capfd)
+        else:
+            r = subprocess.run(train_cmd(*args), cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                               timeout=120)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], \
             r.stderr
