@@ -42,8 +42,10 @@ def test_short_copy_run_writes_the_run_directory(tmp_path):
 
 @pytest.mark.slow
 def test_copy_experiment_reaches_99_percent(tmp_path):
-    """The README's main job: greedy decoding of fresh random sequences is >= 99% exactly right."""
-    run_dir, _ = run_copy(tmp_path)
+    """The README's main job: greedy decoding of fresh random sequences is >= 99% exactly right. Four of the
+    experiment's six epochs: its best.pt (by val_accuracy) is step 736's, the end of epoch 4, either way, and
+    scores 0.997 (2026-12-02); the learning-rate schedule does not depend on the run's length."""
+    run_dir, _ = run_copy(tmp_path, "trainer.max_epochs=4")
     test = [r for r in read_metrics(run_dir) if r["split"] == "test"][-1]
     assert test["test_accuracy"] >= 0.99
     train = [r for r in read_metrics(run_dir) if r["split"] == "train"]
@@ -56,7 +58,8 @@ def test_copy_experiment_reaches_99_percent(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("norm_first", ["false", "true"])
 def test_post_norm_and_pre_norm_both_learn_to_copy(tmp_path, norm_first):
-    run_dir, _ = run_copy(tmp_path, f"model.norm_first={norm_first}", "trainer.max_epochs=4")
+    # 3 epochs (552 steps): best val_accuracy 0.991 post-norm, 0.992 pre-norm (2026-12-02); after 2, 0.928 and 0.981
+    run_dir, _ = run_copy(tmp_path, f"model.norm_first={norm_first}", "trainer.max_epochs=3")
     test = [r for r in read_metrics(run_dir) if r["split"] == "test"][-1]
     assert test["test_accuracy"] >= 0.95
 
@@ -68,7 +71,8 @@ def test_compiled_model_trains_and_its_checkpoint_loads_uncompiled(tmp_path):
     from transformer.training.checkpoint import load_model
 
     run_dir, _ = run_copy(tmp_path, "trainer.compile=true", "trainer.max_steps=60", "trainer.log_every=20",
-                          "trainer.val_every=1000")
+                          "trainer.val_every=1000", "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2",
+                          "data.copy.val_size=40", "data.copy.test_size=40")  # one layer each: less to compile
     train = [r for r in read_metrics(run_dir) if r["split"] == "train"]
     assert len(train) == 3 and train[-1]["loss"] < train[0]["loss"]
     model, _, ckpt = load_model(run_dir / "checkpoints" / "last.pt")
