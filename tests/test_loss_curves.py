@@ -1,6 +1,8 @@
 """The model's speed switches keep the loss curve (issue: within 2% over 300 steps on a CPU at a small size):
 model=tiny on the copy task with varied lengths (benchmarks/loss_curves.py), the same seed, batches and
 initial weights; the mean relative gap between the smoothed curves stays under 2%."""
+import functools
+
 import pytest
 
 from benchmarks.loss_curves import compare, train
@@ -10,9 +12,15 @@ from transformer.training.speedups import native_bf16_cpu
 pytestmark = pytest.mark.slow
 
 
+@functools.cache
+def fp32_curve():
+    """The reference curve, trained once for both comparisons; each test gets its own copy."""
+    return tuple(train("fp32", 300, 1234))
+
+
 @pytest.fixture()
 def fp32(one_thread):  # noqa: F811 (the fixture)
-    return train("fp32", 300, 1234)
+    return list(fp32_curve())
 
 
 def test_unpadded_attention_keeps_the_curve(fp32):
