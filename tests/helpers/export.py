@@ -1,5 +1,6 @@
 """Small BPE and SentencePiece tokenizers and models trained on them in seconds, for the export and import tests."""
 import functools
+from typing import Optional
 
 import numpy as np
 import torch
@@ -84,9 +85,11 @@ def read_gz(path) -> list:
         return [line.rstrip("\n") for line in f]
 
 
-def multi30k_model(folder, seconds: float, vocab_size: int = 2000, seed: int = 0, name: str = "bpe"):
+def multi30k_model(folder, seconds: float = float("inf"), vocab_size: int = 2000, seed: int = 0, name: str = "bpe",
+                   steps: Optional[int] = None):
     """A model=tiny-sized model (tie_embeddings=all, tokenizer.tgt_vocab=seen, as the recipe) trained on
-    Multi30k de->en for `seconds` of wall time, in this process: (model in eval mode, tokenizer, steps).
+    Multi30k de->en for `seconds` of wall time or `steps` steps, whichever ends first, in this process: (model
+    in eval mode, tokenizer, steps).
     `name`: tokenizer.name, bpe or sentencepiece (unigram)."""
     import time
 
@@ -105,7 +108,7 @@ def multi30k_model(folder, seconds: float, vocab_size: int = 2000, seed: int = 0
     order = np.random.default_rng(seed).permutation(len(batches))
     opt = torch.optim.Adam(model.parameters(), lr=2e-3, betas=(0.9, 0.98))
     start, step = time.perf_counter(), 0
-    while time.perf_counter() - start < seconds:
+    while time.perf_counter() - start < seconds and (steps is None or step < steps):
         b = collate(batches[order[step % len(order)]])
         for g in opt.param_groups:
             g["lr"] = 2e-3 * min(1.0, (step + 1) / 100)
