@@ -93,15 +93,15 @@ def test_average_last_at_the_end_of_training_equals_the_command(tmp_path):
     """checkpoint.average_last=K writes what `transformer-average RUN --last K` writes, scores it on validation
     (split "average" in metrics.jsonl) and names the best file in the end-of-run summary."""
     import json
-    import subprocess
 
-    from tests.helpers.cli import cli_env, train_cmd
     from tests.helpers.dist import TINY
+    from tests.helpers.inprocess import call_main
+    from transformer.cli import train as train_cli
 
-    run_dir = tmp_path / "run"
-    r = subprocess.run(train_cmd(*TINY, "trainer.max_steps=9", "checkpoint.every_steps=1", "checkpoint.keep_last=3",
-                                 "checkpoint.average_last=3", f"hydra.run.dir={run_dir}"),
-                       cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300)
+    run_dir = tmp_path / "run"  # transformer-train's main() in this process: the command line without a start
+    r = call_main(train_cli.main, [*TINY, "trainer.max_steps=9", "checkpoint.every_steps=1", "checkpoint.keep_last=3",
+                                   "checkpoint.average_last=3", f"hydra.run.dir={run_dir}"], tmp_path,
+                  prog="transformer-train")
     assert r.returncode == 0, r.stderr[-2000:]
     written = load_checkpoint(run_dir / "checkpoints" / "average_last3.pt")
     assert main([str(run_dir), "--last", "3", "--output", str(tmp_path / "cmd.pt")]) == 0
