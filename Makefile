@@ -54,9 +54,9 @@ test-slurm: install  ## starts a one-node Slurm cluster (munged, slurmctld, slur
 # need newer torch and are not in it.
 FLOOR_TORCH ?= 2.4.1
 FLOOR_VENV ?= .venv-floor
-FLOOR_TESTS := tests/test_model.py tests/test_decode.py tests/test_flops.py tests/test_residual.py \
-	tests/test_dropout.py tests/test_loss_optim.py tests/test_projections.py tests/test_graphs.py \
-	tests/test_trainer.py tests/test_translate.py tests/test_average.py tests/test_compat.py tests/test_evaluate.py
+FLOOR_TESTS := tests/model/test_model.py tests/decoding/test_decode.py tests/model/test_flops.py tests/model/test_residual.py \
+	tests/model/test_dropout.py tests/training/components/test_loss_optim.py tests/model/test_projections.py tests/training/speed/test_graphs.py \
+	tests/training/loop/test_trainer.py tests/cli/test_translate.py tests/cli/test_average.py tests/training/components/test_compat.py tests/cli/test_evaluate.py
 
 $(FLOOR_VENV)/.installed: setup.cfg setup.py pyproject.toml  # once, as install does: torch's download is about 3 GB
 	$(PYTHON) -m venv $(FLOOR_VENV)

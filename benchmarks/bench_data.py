@@ -191,7 +191,7 @@ def bench_training(dm, steps: int):
     """Both feeds train their own copy of the same model with the same plain step."""
     from transformer.config import ModelConfig
     from transformer.model import Transformer
-    from transformer.training.loss import label_smoothed_cross_entropy
+    from transformer.training.components.loss import label_smoothed_cross_entropy
     cfg = ModelConfig(N=2, d_model=128, d_ff=256, h=4, dropout=0.1)
 
     def plain_step():

@@ -44,7 +44,7 @@ def find_multi30k() -> Path:
 
 def build_model(args, data: Path):
     if args.checkpoint:
-        from transformer.training.checkpoint import load_model
+        from transformer.training.components.checkpoint import load_model
         model, tokenizer, _ = load_model(args.checkpoint)
         return model, tokenizer, f"checkpoint {args.checkpoint}"
     from transformer.data.tokenizer import SpacyTokenizer

@@ -32,7 +32,7 @@ from transformer.decoding.translate import translate_ids  # noqa: E402
 
 def build_model(args, data: Path):
     if args.checkpoint:
-        from transformer.training.checkpoint import load_model
+        from transformer.training.components.checkpoint import load_model
         model, tokenizer, _ = load_model(args.checkpoint)
         return model, tokenizer, f"checkpoint {args.checkpoint}"
     from transformer.data.config import TokenizerConfig

@@ -59,7 +59,8 @@ SWITCH_SETS = {
     # Section 5.4 has none there; flash-attn would keep it): the sublayers and embeddings still drop at P_drop
     "unpadded": ("trainer.unpadded_attention=true", "model.attention_dropout=0"),
     "compile+unpadded": ("trainer.compile=true", "trainer.unpadded_attention=true", "model.attention_dropout=0"),
-    # packed token budgets (transformer/data/packed.py): the real tokens end to end, filled to a few token counts,
+    # packed token budgets (transformer/experimental/packed.py): the real tokens end to end, filled to a few token
+    # counts,
     # each step replayed as CUDA graphs: neither padding nor the ladder's rounding, a little filler instead
     "cuda_graphs+unpadded": ("trainer.cuda_graphs=true", "trainer.unpadded_attention=true",
                              "model.attention_dropout=0"),

@@ -30,7 +30,8 @@ NARROW = ["model.d_model=16", "model.d_ff=32"]  # the layers stay; their product
 
 
 def build(overrides, workers: int):
-    """A trainer whose step is the CUDA-graph one, run without capture on this CPU (as tests/test_graphs.py
+    """A trainer whose step is the CUDA-graph one, run without capture on this CPU (as
+    tests/training/speed/test_graphs.py
     builds it), its graph bodies stubbed out."""
     import torch
 
@@ -38,9 +39,9 @@ def build(overrides, workers: int):
     from transformer.data.synthetic import SyntheticData
     from transformer.model import Transformer
     from transformer.tasks import build_task
-    from transformer.training import graphs
-    from transformer.training.parallelize import parallelize
-    from transformer.training.trainer import Trainer
+    from transformer.training.distributed.parallelize import parallelize
+    from transformer.training.loop.trainer import Trainer
+    from transformer.training.speed import graphs
 
     common = [*DEFAULTS, *NARROW, f"data.num_workers={workers}", *overrides]
     cfg = compose_cfg(*common, "trainer.cuda_graphs=true")
@@ -64,8 +65,8 @@ def main(argv=None) -> int:
                    "own time (cProfile, which slows the loop)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
-    from transformer.training import bench
-    from transformer.training.logs import Progress
+    from transformer.training.reporting.logs import Progress
+    from transformer.training.tools import bench
 
     trainer = build(args.overrides, args.workers)
     batches = bench.endless_batches(trainer.data)

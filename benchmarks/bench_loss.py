@@ -1,4 +1,5 @@
-"""Forward + backward time of the label-smoothed cross-entropy (transformer/training/loss.py) on (rows, vocab)
+"""Forward + backward time of the label-smoothed cross-entropy (transformer/training/components/loss.py) on (rows,
+vocab)
 logits: the fused function (its gradient in a new tensor, or written into the logits as the trainer asks), the
 log_softmax reference, the fused passes through torch.compile (trainer.loss=compiled; in place too, the
 trainer's call), and optionally another version
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from transformer.training.loss import label_smoothed_cross_entropy  # noqa: E402
+from transformer.training.components.loss import label_smoothed_cross_entropy  # noqa: E402
 
 
 def load_other(path: str):

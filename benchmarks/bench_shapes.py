@@ -9,7 +9,8 @@ For each token budget, one epoch as the sampler plans it, without and with stati
 ladder of `--steps` lengths an octave): batches, distinct (rows, source, target) shapes the model would see, and
 the share of the computed source+target positions that is padding (to each batch's longest sentence; with static
 shapes, to the static shape's rows and lengths). `--packed` adds a last column: packed token budgets
-(trainer.static_shapes with trainer.unpadded_attention, transformer/data/packed.py), whose waste is their filler.
+(trainer.static_shapes with trainer.unpadded_attention, transformer/experimental/packed.py), whose waste is their
+filler.
 """
 import argparse
 import sys
@@ -21,11 +22,12 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 
 from tests.helpers.cli import compose_cfg  # noqa: E402
-from transformer.data import build_data, packed  # noqa: E402
+from transformer.data import build_data  # noqa: E402
 from transformer.data.sampler import TokenBatchSampler  # noqa: E402
 from transformer.data.shapes import STEPS, static_shape  # noqa: E402
 from transformer.data.synthetic import synthetic_lengths  # noqa: E402
 from transformer.dist import DistEnv  # noqa: E402
+from transformer.experimental import packed  # noqa: E402
 
 
 def main(argv=None) -> None:

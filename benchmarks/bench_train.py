@@ -31,7 +31,7 @@ from torch import nn  # noqa: E402
 
 from transformer.data.batch import PAD  # noqa: E402
 from transformer.dist import DistEnv  # noqa: E402
-from transformer.training.hotpath import LaggedFlag, TrainWindow  # noqa: E402
+from transformer.training.loop.hotpath import LaggedFlag, TrainWindow  # noqa: E402
 
 ACCUM_ITER = 10  # the Annotated Transformer's Multi30k config: an optimiser step every 10 batches
 
@@ -75,7 +75,7 @@ class Annotated:
 
     def __init__(self, cfg, data):
         from transformer.model import Transformer
-        from transformer.training.optim import noam_lr
+        from transformer.training.components.optim import noam_lr
         torch.manual_seed(cfg.seed)
         self.model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size,
                                              data.shared_vocab).train()
@@ -116,8 +116,8 @@ def main():
     from transformer.data.translation import build_translation_data
     from transformer.model import Transformer
     from transformer.tasks import build_task
-    from transformer.training.parallelize import parallelize
-    from transformer.training.trainer import Trainer
+    from transformer.training.distributed.parallelize import parallelize
+    from transformer.training.loop.trainer import Trainer
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cfg = compose(offline_root(Path(args.multi30k), tmp), tmp / "cache")

@@ -62,7 +62,7 @@ def markdown(header: dict, records: list, skipped: list, top_of=("big@16k", "bas
         names = sorted({f for r in families for f in r["kernel_account"]["families"]},
                        key=lambda f: -sum(r["kernel_account"]["families"].get(f, 0.0) for r in families))
         lines += ["", "Kernel time by family (ms per step, all kernels of the profile window; "
-                      "transformer/training/profiling.py names them):", "",
+                      "transformer/training/tools/profiling.py names them):", "",
                   "| workload | switches | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
         lines += [f"| {r['workload']} | {r['switches']} | " + " | ".join(
             f"{r['kernel_account']['families'].get(f, 0.0):.2f}" for f in names) + " |" for r in families]

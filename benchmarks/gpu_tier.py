@@ -86,8 +86,9 @@ def run_tests(out: Path, log: Path, timeout: float, dry: bool, workers: Optional
     outcome is written as it ends (tests/conftest.py's TRANSFORMER_TEST_LOG), so a tier cut short by `timeout`
     still reports what passed, what failed and why."""
     t0 = time.time()
-    files = [f"tests/{name}" for name in TIER_FIRST if (REPO / "tests" / name).is_file()]
-    files += sorted(str(f.relative_to(REPO)) for f in (REPO / "tests").glob("test_*.py") if f.name not in TIER_FIRST)
+    found = {f.name: str(f.relative_to(REPO)) for f in (REPO / "tests").rglob("test_*.py")}
+    files = [found[name] for name in TIER_FIRST if name in found]
+    files += sorted(path for name, path in found.items() if name not in TIER_FIRST)
     workers = tier_workers() if workers is None else workers
     cmd = tier_command(files, timeout, workers)
     report = out.with_suffix(".tests.jsonl")

@@ -33,8 +33,8 @@ import torch
 from transformer.config import ModelConfig
 from transformer.model import Transformer
 from transformer.specials import BOS, EOS, PAD
-from transformer.training.loss import label_smoothed_cross_entropy
-from transformer.training.optim import build_optimizer
+from transformer.training.components.loss import label_smoothed_cross_entropy
+from transformer.training.components.optim import build_optimizer
 
 SWITCHES = {  # variant -> (autocast, model method that turns its switch on, or None)
     "fp32": (False, None),
@@ -42,7 +42,7 @@ SWITCHES = {  # variant -> (autocast, model method that turns its switch on, or 
     "bf16_residual": (True, "set_bf16_residual"),
     "unpadded": (False, "set_unpadded_attention"),
     "reference_loss": (False, None),
-    "fp8": (True, None),  # transformer/training/fp8.py converts the model
+    "fp8": (True, None),  # transformer/experimental/fp8.py converts the model
 }
 LOSS = {"reference_loss": {"impl": "reference"}}  # variant -> label_smoothed_cross_entropy's keyword arguments
 VOCAB = 24
@@ -69,7 +69,7 @@ def train(variant: str, steps: int, seed: int, sentences: int = 32, dropout: flo
     model = Transformer.from_config(ModelConfig(N=2, d_model=128, d_ff=256, h=4, dropout=dropout), VOCAB, VOCAB, True)
     model.to(device)
     if variant == "fp8":
-        from transformer.training import fp8
+        from transformer.experimental import fp8
         fp8.convert(model)
     if switch is not None:
         if not hasattr(model, switch):
@@ -103,7 +103,7 @@ def cannot_run(variant: str, device: str) -> Optional[str]:
     if variant != "fp8":
         return None
     try:
-        from transformer.training import fp8
+        from transformer.experimental import fp8
     except ImportError:  # a version of the package before trainer.precision=fp8
         return "this version has no trainer.precision=fp8"
     return fp8.refusal(torch.device(device))

@@ -38,6 +38,6 @@ def _private_cache(tmp_path_factory, monkeypatch):
 def _fp32_on_every_cpu(monkeypatch):
     """trainer.precision=auto is bf16 on CPUs with AMX or AVX512-BF16 units: in-process tests run as on a CPU
     without them, so every CI machine computes the same numbers; tests of that choice patch it themselves."""
-    from transformer.training import speedups
+    from transformer.training.speed import speedups
 
     monkeypatch.setattr(speedups, "native_bf16_cpu", lambda: False)

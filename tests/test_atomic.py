@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from transformer.atomic import atomic_open, temp_dir_beside, write_text_atomic
-from transformer.training.checkpoint import atomic_link, atomic_save
+from transformer.training.components.checkpoint import atomic_link, atomic_save
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ from tests.helpers.inprocess import call_main
 from tests.helpers.models import copy_checkpoint, one_thread  # noqa: F401 (autouse fixture)
 from transformer.cli import average, evaluate, plot, translate
 from transformer.cli import train as train_cli
-from transformer.training.checkpoint import atomic_save
+from transformer.training.components.checkpoint import atomic_save
 
 
 def run_train(cwd: Path, *overrides: str, timeout: int = 240) -> subprocess.CompletedProcess:

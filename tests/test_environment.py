@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.test_preprocess_cli import corpus
 from tests.helpers.cli import train_cmd
 from tests.helpers.dist import TINY, env_for, finish, kill_tree, popen, step_files, train, wait_for
-from tests.test_preprocess_cli import corpus
 from transformer import exit_codes
 from transformer.environment import FAULT_ENV, describe, machine_error
-from transformer.training.checkpoint import Checkpointer, load_checkpoint
-from transformer.training.logs import MetricsLogger
+from transformer.training.components.checkpoint import Checkpointer, load_checkpoint
+from transformer.training.reporting.logs import MetricsLogger
 
 STEPS = ("trainer.max_steps=6", "checkpoint.every_steps=2", "trainer.val_every=2")
 

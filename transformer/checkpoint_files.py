@@ -1,5 +1,5 @@
 """What a run's checkpoint files are called and hold, for every layer that names them: the trainer writes them
-(transformer/training/checkpoint.py), the machine-error line names the newest (transformer/environment.py),
+(transformer/training/components/checkpoint.py), the machine-error line names the newest (transformer/environment.py),
 the Hugging Face importer makes checkpoint-shaped dicts and raises CheckpointError's kind
 (transformer/interop/). No project imports: it sits at the bottom, so none of them imports a layer above it."""
 import re

@@ -71,7 +71,7 @@ class OptimConfig:
     anneal: float = 0.0  # the run's last fraction (of max_steps, or of max_minutes): the rate falls linearly to 0
 
 
-LOSSES = ("auto", "fused", "compiled", "reference")  # trainer.loss: transformer/training/loss.py
+LOSSES = ("auto", "fused", "compiled", "reference")  # trainer.loss: transformer/training/components/loss.py
 
 
 @dataclass
@@ -105,7 +105,7 @@ class TrainerConfig:
     threads: Optional[int] = None  # torch CPU threads per worker; None = the cores this process may use / local workers
     ema_decay: float = 0.0  # exponential moving average of the weights (0 = off); validation scores the average
     dropout_by_epoch: List[float] = field(default_factory=list)  # P_drop of epochs 0, 1, ...; model.dropout after
-    # Speed switches (transformer/training/speedups.py; measured or not, docs/performance.md):
+    # Speed switches (transformer/training/speed/speedups.py; measured or not, docs/performance.md):
     tf32: bool = True  # GPUs: float32 matrix products in TF32 (no effect on bf16 autocast's products)
     keep_freed_memory: bool = True  # CPUs (glibc): freed tensor memory is reused, not handed back to the kernel
     pad_to_multiple: Optional[int] = None  # batch lengths padded up to a multiple; None: 1, no padding
@@ -129,13 +129,13 @@ class TrainerConfig:
     # lengths on a ladder (multiples of 4 to 32, then 4 steps an octave), rows from data.max_tokens; padding rows carry
     # no loss. Few shapes for torch.compile and CUDA graphs, at the cost of padding (transformer-bench reports it).
     # With unpadded_attention: the real tokens packed end to end, filled up to a few token budgets instead
-    # (transformer/data/packed.py): no padding, a little filler.
+    # (transformer/experimental/packed.py): no padding, a little filler.
     static_shapes: bool = False
     # Ladder lengths an octave (2, 4, 8 or 16): 8 halves the ladder's padding (multiples of 2 to 32, then 8 steps an
     # octave) for about twice the shapes, each a CUDA graph captured once (benchmarks/bench_shapes.py counts both).
     shape_steps: int = 4
     # CUDA: each static shape's forward+backward and the update replayed as CUDA graphs, the gradient all-reduce
-    # eager between them (transformer/training/graphs.py); implies static_shapes (packed token budgets with
+    # eager between them (transformer/training/speed/graphs.py); implies static_shapes (packed token budgets with
     # unpadded_attention). Not with fp16 or activation checkpointing.
     cuda_graphs: bool = False
 
@@ -172,7 +172,8 @@ class EvalConfig:
 
 @dataclass
 class BenchConfig:
-    """transformer-bench (transformer/training/bench.py): warm-up, then timed optimiser steps of the training config."""
+    """transformer-bench (transformer/training/tools/bench.py): warm-up, then timed optimiser steps of the training
+    config."""
     warmup: int = 5  # untimed steps first; with compile or CUDA graphs more, until 20 in a row add no graph
     steps: Optional[int] = None  # timed optimiser steps per repeat; None: 100 on a GPU, 20 on a CPU
     repeats: int = 3  # timed windows of `steps` each, back to back: their spread (median, min, max) is reported
@@ -219,7 +220,7 @@ class MlflowConfig:
 
 @dataclass
 class LoggerConfig:
-    """Where metrics go besides metrics.jsonl and the console (transformer/training/trackers.py)."""
+    """Where metrics go besides metrics.jsonl and the console (transformer/training/reporting/trackers.py)."""
     trackers: List[str] = field(default_factory=lambda: ["tensorboard"])  # any of tensorboard, wandb, mlflow
     wandb: WandbConfig = field(default_factory=WandbConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)

@@ -388,7 +388,7 @@ begin "two nodes: compare weights"
 "$DOCKER" run --rm --network host -e PYTHONPATH=/src -v "$REPO/tests:/src/tests:ro" -v "$TMP/nodes:/nodes:ro" \
     "$IMAGE" python -c "
 from tests.helpers.checkpoints import assert_same_state
-from transformer.training.checkpoint import load_checkpoint
+from transformer.training.components.checkpoint import load_checkpoint
 a, b = (load_checkpoint(f'/nodes/{j}/torchrun-{j}/checkpoints/last.pt') for j in ('plain', 'restart'))
 assert a['trainer']['world_size'] == b['trainer']['world_size'] == 2
 assert_same_state(a, b)

@@ -1,4 +1,4 @@
-"""Bit-for-bit comparison of two checkpoints (as `transformer.training.checkpoint.load_checkpoint` returns
+"""Bit-for-bit comparison of two checkpoints (as `transformer.training.components.checkpoint.load_checkpoint` returns
 them). Imports torch only, not pytest: the Docker tier runs it inside the image."""
 import torch
 

@@ -1,4 +1,5 @@
-"""Configs composed once a process and handed out as copies, and tests/test_trainer.py's copy-task trainer built
+"""Configs composed once a process and handed out as copies, and tests/training/loop/test_trainer.py's copy-task
+trainer built
 from them: Hydra's composition is most of a small trainer's construction, and some tests build a dozen."""
 import copy
 import functools
@@ -19,15 +20,15 @@ def composed(*overrides: str):
 
 
 def small_trainer(tmp_path, *overrides: str, seed_model: int = 0):
-    """tests/test_trainer.py's make_trainer (the small copy task, weights from `seed_model`), its config from
-    composed()."""
-    from tests.test_trainer import SMALL
+    """tests/training/loop/test_trainer.py's make_trainer (the small copy task, weights from `seed_model`), its
+    config from composed()."""
+    from tests.training.loop.test_trainer import SMALL
     from transformer.data.copy import CopyData
     from transformer.dist import DistEnv
     from transformer.model import Transformer
     from transformer.tasks import build_task
-    from transformer.training.parallelize import parallelize
-    from transformer.training.trainer import Trainer
+    from transformer.training.distributed.parallelize import parallelize
+    from transformer.training.loop.trainer import Trainer
 
     cfg = composed(*SMALL, *overrides)
     data = CopyData(cfg, cfg.seed, 0, 1)

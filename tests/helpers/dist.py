@@ -15,7 +15,7 @@ import torch.distributed as torch_dist
 from tests.helpers.checkpoints import assert_same_state, assert_same_weights  # noqa: F401
 from tests.helpers.cli import cli_env, free_port, train_cmd
 from transformer import dist
-from transformer.training.checkpoint import load_checkpoint
+from transformer.training.components.checkpoint import load_checkpoint
 
 # A model and data small enough that a run is dominated by interpreter start-up. 640 copy examples make
 # 6 token-batches for any world size in {1, 2} (no batch needs splitting), so 1 worker with accumulate=2

@@ -9,7 +9,7 @@ from transformer.config import ModelConfig
 from transformer.data.batch import PAD, collate
 from transformer.data.tokenizer import BpeTokenizer
 from transformer.model import Transformer
-from transformer.training.checkpoint import FORMAT
+from transformer.training.components.checkpoint import FORMAT
 
 PAIRS = [
     ("Ein Mann fährt Fahrrad.", "A man rides a bike."),

@@ -58,7 +58,8 @@ def call_main(main: Callable, argv: list, cwd: Path, env: Optional[dict] = None,
 
 def bench_in_process(cwd: Path, *overrides: str, expect: int = 0, env: Optional[dict] = None
                      ) -> subprocess.CompletedProcess:
-    """`transformer-bench <overrides>` in this process (tests/test_bench.py's bench() starts it as a process)."""
+    """`transformer-bench <overrides>` in this process (tests/training/tools/test_bench.py's bench() starts it as a
+    process)."""
     from transformer.cli import bench as bench_cli
 
     res = call_main(bench_cli.main, list(overrides), cwd, env, prog="transformer-bench")

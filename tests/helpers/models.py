@@ -12,7 +12,7 @@ from transformer.data.batch import PAD, collate
 from transformer.data.config import DataConfig, TokenizerConfig
 from transformer.data.copy import CopyTokenizer
 from transformer.model import Transformer
-from transformer.training.checkpoint import FORMAT
+from transformer.training.components.checkpoint import FORMAT
 
 VOCAB = 12  # 4 specials + symbols 4..11
 

@@ -1,4 +1,4 @@
-"""`transformer-average`: average the weights of several checkpoints (transformer/training/averaging.py).
+"""`transformer-average`: average the weights of several checkpoints (transformer/training/components/averaging.py).
 
     transformer-average outputs/run --last 5                     # -> outputs/run/checkpoints/average_last5.pt
     transformer-average a.pt b.pt c.pt --output averaged.pt
@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Optional
 
 from transformer.cli.common import run_command
-from transformer.training.averaging import AverageError, average_checkpoints, last_checkpoints
-from transformer.training.checkpoint import atomic_save
+from transformer.training.components.averaging import AverageError, average_checkpoints, last_checkpoints
+from transformer.training.components.checkpoint import atomic_save
 
 PROG = "transformer-average"
 

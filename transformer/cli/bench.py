@@ -20,7 +20,7 @@ from transformer.training.launcher import USER_INPUT_ERRORS
 
 
 def bench(cfg: DictConfig) -> None:
-    from transformer.training.bench import run_benchmark
+    from transformer.training.tools.bench import run_benchmark
 
     try:
         run_benchmark(cfg)

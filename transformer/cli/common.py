@@ -8,8 +8,8 @@ import torch
 
 from transformer import exit_codes
 from transformer.config import ConfigError, EvalConfig, check_eval, eval_from_dict
-from transformer.training.averaging import AverageError
-from transformer.training.checkpoint import CheckpointError
+from transformer.training.components.averaging import AverageError
+from transformer.training.components.checkpoint import CheckpointError
 
 # translate/evaluate decode with beam 5 unless --beam says otherwise. The checkpoint's eval.beam is what
 # validation used during training (greedy by default, for speed) and is not the default here.

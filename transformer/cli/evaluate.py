@@ -29,7 +29,7 @@ from transformer.cli.common import (
     run_command,
     translate_lines,
 )
-from transformer.training.checkpoint import load_model
+from transformer.training.components.checkpoint import load_model
 
 PROG = "transformer-evaluate"
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from transformer.cli.common import UsageError, run_command
-from transformer.training.checkpoint import load_model
+from transformer.training.components.checkpoint import load_model
 
 PROG = "transformer-export"
 

@@ -1,4 +1,5 @@
-"""`transformer-plot RUN_DIR`: PNG plots of a training run and of attention weights (transformer/training/plots.py).
+"""`transformer-plot RUN_DIR`: PNG plots of a training run and of attention weights
+(transformer/training/reporting/plots.py).
 
     transformer-plot outputs/run                                  # -> outputs/run/plots/*.png
     transformer-plot outputs/run --sentence "Ein Hund rennt ."    # + attention maps (best.pt or last.pt)
@@ -11,8 +12,14 @@ from typing import List, Optional
 
 from transformer.cli.common import UsageError, run_command
 from transformer.config import eval_from_dict
-from transformer.training.checkpoint import load_model
-from transformer.training.plots import attention_figures, close_figures, curve_figures, read_metrics, save_figures
+from transformer.training.components.checkpoint import load_model
+from transformer.training.reporting.plots import (
+    attention_figures,
+    close_figures,
+    curve_figures,
+    read_metrics,
+    save_figures,
+)
 
 PROG = "transformer-plot"
 

@@ -18,10 +18,10 @@ from transformer import dist, exit_codes, version_line
 from transformer.cli.compose import precheck
 from transformer.config import CONF_DIR, ConfigError, register_configs, to_container, validate
 from transformer.environment import describe, machine_error
+from transformer.experimental import fp8
 from transformer.tasks import build_task
-from transformer.training import fp8
+from transformer.training.distributed.runlock import RunLock
 from transformer.training.launcher import USER_INPUT_ERRORS, launch
-from transformer.training.runlock import RunLock
 
 # HF tokenizers' thread pool does not survive DataLoader workers forking after encoding; it says so noisily.
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

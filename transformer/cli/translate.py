@@ -26,7 +26,7 @@ from transformer.cli.common import (
 )
 from transformer.config import EvalConfig
 from transformer.data.textfile import Source, check_readable, iter_lines
-from transformer.training.checkpoint import load_model
+from transformer.training.components.checkpoint import load_model
 
 PROG = "transformer-translate"
 

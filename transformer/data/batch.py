@@ -6,7 +6,7 @@ from typing import List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from transformer.model.varlen import Packing, host_packing
+from transformer.experimental.varlen import Packing, host_packing
 from transformer.specials import BOS, EOS, PAD, SPECIALS, UNK  # noqa: F401 (re-exported for the data package)
 
 
@@ -84,7 +84,8 @@ class PairDataset(torch.utils.data.Dataset):
 
 @dataclass
 class Batch:
-    """A padded batch; a packed one (transformer/data/packed.py) has src (N_s,) and tgt_in/tgt_out (N_t,) instead,
+    """A padded batch; a packed one (transformer/experimental/packed.py) has src (N_s,) and tgt_in/tgt_out (N_t,)
+    instead,
     the sentences end to end, and always its packings."""
     src: torch.Tensor  # (B, S) x + </s>, right-padded with PAD
     tgt_in: torch.Tensor  # (B, T) <s> + y: the decoder input (teacher forcing)
@@ -108,7 +109,7 @@ class Batch:
         return replace(self, src=src, tgt_in=tgt_in, tgt_out=tgt_out, ids=ids, packings=packings)
 
     def __len__(self) -> int:
-        return self.ids.size(0)  # sentences, also of a packed batch (transformer/data/packed.py)
+        return self.ids.size(0)  # sentences, also of a packed batch (transformer/experimental/packed.py)
 
     def __reduce__(self):
         """How a DataLoader worker hands the batch to the main process. A small CPU batch whose tensors are views

@@ -4,10 +4,10 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from transformer.data import packed
 from transformer.data.batch import Batch, PairDataset, collate, packed_collate
 from transformer.data.sampler import TokenBatchSampler
 from transformer.data.shapes import STEPS
+from transformer.experimental import packed
 
 
 def loader_workers(num_workers: Optional[int], device: torch.device) -> int:
@@ -90,7 +90,7 @@ class DataModule:
 
     def use_packed_budgets(self, steps: int = STEPS) -> None:
         """trainer.static_shapes (or cuda_graphs) with trainer.unpadded_attention: training batches cut by their
-        real tokens and collated flat, filled up to a few token budgets (transformer/data/packed.py).
+        real tokens and collated flat, filled up to a few token budgets (transformer/experimental/packed.py).
         Validation batches stay padded, with their packings. Before the first epoch is planned."""
         self._sampler_args.update(packed=True, shape_steps=steps)
         self.train_sampler = TokenBatchSampler(self.train.src_sizes, self.train.tgt_sizes, **self._sampler_args)

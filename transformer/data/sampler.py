@@ -10,8 +10,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-from transformer.data.packed import reserve
 from transformer.data.shapes import STEPS, shape_length
+from transformer.experimental.packed import reserve
 
 
 class TokenBatchSampler:
@@ -24,7 +24,7 @@ class TokenBatchSampler:
         len(max_tokens_by_epoch) epochs, <= the epoch's entry there (a ramp of batch sizes). With
         `static_shapes` a length costs its ladder length (transformer/data/shapes.py, `shape_steps` lengths an
         octave), so the batch padded to its static shape still fits the budget. With `packed` (packed token
-        budgets, transformer/data/packed.py) a batch costs its real tokens instead: each side's sum stays within
+        budgets, transformer/experimental/packed.py) a batch costs its real tokens instead: each side's sum stays within
         the budget less the filler reserve."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world size {world_size}")

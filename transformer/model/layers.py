@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer.experimental.varlen import VarlenMask, varlen_attention
 from transformer.model.dropout import Dropout, keep_mask, uses_keep_mask
 from transformer.model.projections import StackedLinear
 from transformer.model.residual import dropout_add, dropout_add_norm, norm_to, stream_dtype
-from transformer.model.varlen import VarlenMask, varlen_attention
 
 
 def no_cudnn_attention(device: torch.device) -> None:
@@ -64,7 +64,7 @@ class MultiHeadAttention(nn.Module):
         (B, h, S, d_k) each, as a pair or stacked (2, B, h, S, d_k).
         `cache` (decoder self-attention while decoding) holds the keys/values of earlier positions and is
         extended in place, so each new token costs one row of attention instead of the whole prefix."""
-        if isinstance(mask, VarlenMask):  # packed rows (transformer/model/varlen.py)
+        if isinstance(mask, VarlenMask):  # packed rows (transformer/experimental/varlen.py)
             return self._forward_packed(query, kv, mask, is_causal)
         B, T, _ = query.shape
         if kv is None:

@@ -31,7 +31,7 @@ class StackedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(biased), d_out))
         self.register_buffer("bias_rows", torch.tensor([i for i, b in enumerate(biased) if b], dtype=torch.long),
                              persistent=False)
-        # trainer.precision=fp8 (transformer/training/fp8.py): (a float8 Linear over `weight`,); in a tuple, so
+        # trainer.precision=fp8 (transformer/experimental/fp8.py): (a float8 Linear over `weight`,); in a tuple, so
         # it is no submodule and the state_dict keeps its keys.
         self.float8: Optional[Tuple[nn.Module]] = None
         self.reset_parameters()

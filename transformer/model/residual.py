@@ -7,7 +7,7 @@ functions here compute in fp32 (the sum and LayerNorm's statistics) and round at
 dropped-out sublayer output is rounded to bf16 before the sum, as eager bf16 ops round each result). The post-norm
 sum is rounded to the stream's dtype before it is normalised, as pre-norm's stream already is: LayerNorm's
 backward then recomputes the normalised input from that bf16 sum, where the compiler otherwise saved the
-normalised input in fp32, twice the bytes written forward and read back (tests/test_residual.py checks what a
+normalised input in fp32, twice the bytes written forward and read back (tests/model/test_residual.py checks what a
 compiled layer saves). Under torch.compile each function becomes one kernel that reads bf16 and writes bf16;
 in eager mode the same arithmetic runs op by op. The switch changes no weights and no checkpoint key.
 """

@@ -7,12 +7,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from transformer.experimental.varlen import Packing, VarlenMask, load_kernels, pack, packing, unpack
 from transformer.model.cache import DecoderCache
 from transformer.model.dropout import Dropout, check_rate
 from transformer.model.layers import DecoderLayer, EncoderLayer, FeedForward, MultiHeadAttention, padding_bias
 from transformer.model.projections import StackedLinear, fuse_projections, replay_linear_init, split_projections
 from transformer.model.residual import norm_to, stream_dtype
-from transformer.model.varlen import Packing, VarlenMask, load_kernels, pack, packing, unpack
 from transformer.specials import PAD
 
 
@@ -271,7 +271,7 @@ class Transformer(nn.Module):
         real tokens (`Batch.packings`, made by the loader), used with unpadded attention; without them it
         packs here, reading two device values (a host sync each)."""
         if self.unpadded_attention:
-            if src.dim() == 1:  # a packed batch (transformer/data/packed.py): logits of its target tokens only
+            if src.dim() == 1:  # a packed batch (transformer/experimental/packed.py): logits of its target tokens only
                 return self._forward_tokens(src, tgt_in, packings)
             return self._forward_packed(src, tgt_in, packings)
         memory, src_mask = self.encode(src)
@@ -279,7 +279,7 @@ class Transformer(nn.Module):
 
     def _forward_packed(self, src: torch.Tensor, tgt_in: torch.Tensor,
                         packings: Optional[Tuple[Packing, Packing]]) -> torch.Tensor:
-        """`forward` on the real tokens only (transformer/model/varlen.py): every layer runs on packed rows;
+        """`forward` on the real tokens only (transformer/experimental/varlen.py): every layer runs on packed rows;
         the logits of padded target positions are those of a zero decoder output (the loss ignores them)."""
         if packings is None:
             sp, tp = packing(src != PAD), packing(tgt_in != PAD)

@@ -25,16 +25,28 @@ from transformer.config import ConfigError, from_container, to_container
 from transformer.data import build_data
 from transformer.data.download import DownloadError
 from transformer.environment import describe, machine_error
+from transformer.experimental.microbatch import fit_micro_batch
 from transformer.model import Transformer
 from transformer.tasks import build_task
-from transformer.training import speedups
-from transformer.training.checkpoint import ORIGIN, CheckpointError, changed_settings, load_checkpoint, same_file
-from transformer.training.init_from import FREE_AT_INIT, InitFrom, check_tokenizer, prepare_init_from, read_init_from
-from transformer.training.logs import setup_logging, start_file_log, warn
-from transformer.training.microbatch import fit_micro_batch
-from transformer.training.parallelize import parallelize
-from transformer.training.runlock import end_with_parent
-from transformer.training.trainer import Trainer
+from transformer.training.components.checkpoint import (
+    ORIGIN,
+    CheckpointError,
+    changed_settings,
+    load_checkpoint,
+    same_file,
+)
+from transformer.training.components.init_from import (
+    FREE_AT_INIT,
+    InitFrom,
+    check_tokenizer,
+    prepare_init_from,
+    read_init_from,
+)
+from transformer.training.distributed.parallelize import parallelize
+from transformer.training.distributed.runlock import end_with_parent
+from transformer.training.loop.trainer import Trainer
+from transformer.training.reporting.logs import setup_logging, start_file_log, warn
+from transformer.training.speed import speedups
 
 log = logging.getLogger("transformer")
 JOIN_GRACE_S = 10.0  # spawn path: seconds the other workers get to exit after one has

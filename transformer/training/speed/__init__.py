@@ -1,0 +1,1 @@
+"""Measured speed switches: backends, precision, torch.compile, CUDA graphs (docs/performance.md)."""

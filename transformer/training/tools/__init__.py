@@ -1,0 +1,1 @@
+"""transformer-bench: timed steps, the profile window and its report."""
