@@ -64,7 +64,7 @@ SWITCH_SETS = {
     # each step replayed as CUDA graphs: neither padding nor the ladder's rounding, a little filler instead
     "cuda_graphs+unpadded": ("trainer.cuda_graphs=true", "trainer.unpadded_attention=true",
                              "model.attention_dropout=0"),
-    # model=base and big before they took Section 5.4's placement (docs/performance.md, "Dropout of the paper's
+    # model=base and big before they took Section 5.4's placement (docs/benchmarks/switches.md, "Dropout of the paper's
     # models"): P_drop on the attention weights and inside the feed-forward network too; against eager, what it buys
     "dropout_everywhere": ("model.attention_dropout=null", "model.ffn_dropout=null"),
     "compile": ("trainer.compile=true",),
@@ -83,11 +83,11 @@ SWITCH_SETS = {
 }
 # `env.NAME=VALUE` entries set a variable of the run's environment, not a config key. Inductor's mix-order
 # reduction makes the LayerNorm backward one kernel with its weight-gradient sums, which ran some 3x slower than
-# its bytes take (docs/performance.md, "GPU: H200, 2026-11-29"): `all+unpadded` without it says whether the
+# its bytes take (docs/benchmarks/2026-11-gpu.md, "GPU: H200, 2026-11-29"): `all+unpadded` without it says whether the
 # split kernels are faster.
 SWITCH_SETS["all+unpadded+no_mix_order"] = (*SWITCH_SETS["all+unpadded"], "env.TORCHINDUCTOR_MIX_ORDER_REDUCTION=0")
 # torch.compile per layer (trainer.compile_scope=layers): two graphs to compile instead of the whole model (its
-# compile time on CPUs: docs/performance.md); whether its step is as fast as the whole model's, which may fuse
+# compile time on CPUs: docs/benchmarks/switches.md); whether its step is as fast as the whole model's, which may fuse
 # across layers, is what the GPU says.
 SWITCH_SETS["all+unpadded+layers"] = (*SWITCH_SETS["all+unpadded"], "trainer.compile_scope=layers")
 # CUDA graphs capture each new static shape (a few steps' time): more warm-up keeps captures out of the timing.
@@ -108,7 +108,7 @@ SWITCH_SETS.update(FIT_SETS)
 # fastest step measured before, without and with the rounding to 8; fp8 and compile alone, never measured; the
 # recipe's update on one GPU fixed and fitted; Multi30k's other sets; the sets measured before, again; the
 # remaining workloads eager; then every switch set at the recipes' sizes. A call of 430 s holds HEAD and two or
-# three compiled runs, or more uncompiled ones (docs/performance.md).
+# three compiled runs, or more uncompiled ones (docs/benchmarks/measuring.md).
 HEAD = [(w, "eager") for w in ("big@16k", "base@16k")]
 PACKED = ("all+unpadded", "cuda_graphs+unpadded")
 FIRST = ("compile+unpadded", "all+unpadded+no_mix_order", "all", "compile+bf16_residual",

@@ -3,9 +3,9 @@
 is left is what the host does every step besides replaying them: receiving the batch from the loader workers,
 padding it to its static shape, copying it into the graph's inputs, the non-finite flag and the statistics, the
 schedule, the step's bookkeeping. On a GPU that work decides the pace of steps whose kernels are shorter
-(Multi30k's batches: docs/performance.md, "The host"). The model keeps its layers (module and parameter counts are
-host work) at a negligible width (the flag's gradient norms are computed for real here). Prints measured numbers,
-asserts nothing.
+(Multi30k's batches: docs/benchmarks/the-step.md, "The host"). The model keeps its layers (module and parameter
+counts are host work) at a negligible width (the flag's gradient norms are computed for real here). Prints measured
+numbers, asserts nothing.
 
     python benchmarks/bench_host.py [--steps 300] [--workers 2] [--profile 20] [override ...]
 

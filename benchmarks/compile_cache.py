@@ -1,7 +1,7 @@
 """torch.compile's on-disk caches carried from one GPU machine to the next (`bench_gpu.py --compile-cache`).
 
 A lent GPU machine starts bare, so every compiled run of `make bench-gpu` compiled from nothing, a large share of
-a short lease each (docs/performance.md). Inductor keeps what it compiles in one directory
+a short lease each (docs/benchmarks/cpu-checks-of-gpu-paths.md). Inductor keeps what it compiles in one directory
 (TORCHINDUCTOR_CACHE_DIR: its compiled graphs, AOTAutograd's, the generated kernels, and Triton's binaries under
 triton/); packed into one archive that the device tool brings back (at most 16 MiB a file) and carried to the
 next lease, a run whose graphs and kernels are unchanged finds them there instead of compiling them again.

@@ -1,6 +1,6 @@
 """The Markdown summary of a `make bench-gpu` call (benchmarks/bench_gpu.py): one row per run, the loss
 benchmark's lines, the top kernels of the profiled eager runs, the files kept beside the records and every
-kernel's time by family. The rows go into docs/performance.md as they are."""
+kernel's time by family. The rows go into docs/benchmarks/ as they are."""
 from pathlib import Path
 
 

@@ -1,5 +1,5 @@
 """What a `bench.trace` timeline says about the GPU's idle time: a step whose GPU waits on the host (base at 16k
-tokens, Multi30k's batches: docs/performance.md, "The host") shows it as gaps between kernels. For each gap,
+tokens, Multi30k's batches: docs/benchmarks/the-step.md, "The host") shows it as gaps between kernels. For each gap,
 the kernel after it, and the host operator that launched that kernel (the innermost `cpu_op` around its launch
 call, matched by the trace's correlation ids); a gap whose next kernel was launched only after the GPU had run
 dry is the host's. Prints the window's busy and idle time, the idle time by launching operator, and the longest

@@ -117,7 +117,8 @@ def test_torchs_varlen_kernel_is_called_as_its_release_expects(monkeypatch, wind
 
 def test_float32_queries_take_the_reference_not_a_flash_kernel(monkeypatch):
     """Both varlen kernels are flash kernels, fp16 and bf16 only: under trainer.precision=fp32 on a GPU the
-    reference runs (torch's kernel raises on float32 queries: docs/performance.md, "GPU: H200, 2026-11-29")."""
+    reference runs (torch's kernel raises on float32 queries: docs/benchmarks/2026-11-gpu.md, "GPU: H200,
+    2026-11-29")."""
     from types import SimpleNamespace
 
     from transformer.experimental import varlen

@@ -146,7 +146,7 @@ def test_beam_search_projects_the_encoder_output_once():
 def test_memory_kv_gradient_is_assembled_in_the_products_layout():
     """The memory key/value product's backward gets its gradient as one stack in the product's own (B, S,
     2·N_dec, h, d_k) layout. Decoder layers that indexed a (N_dec, 2, B, h, S, d_k) view had the compiled
-    backward build that shape and copy it into the product's layout, two kernels on GPUs (docs/performance.md).
+    backward build that shape and copy it into the product's layout, two kernels on GPUs (docs/benchmarks/switches.md).
     Read from the backward graph that AOT autograd hands a compiler."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd

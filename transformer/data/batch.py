@@ -115,7 +115,7 @@ class Batch:
         """How a DataLoader worker hands the batch to the main process. A small CPU batch whose tensors are views
         of one buffer (collate's) travels as bytes through the worker's pipe: a shared-memory storage costs the
         receiving side a socket connection for its file descriptor and a mapping per batch, most of a small
-        batch's wait in `next()` (measured in docs/performance.md, "The host"). Larger or other batches
+        batch's wait in `next()` (measured in docs/benchmarks/the-step.md, "The host"). Larger or other batches
         pickle their tensors as usual (shared memory between processes)."""
         tensors = (self.src, self.tgt_in, self.tgt_out, self.ids)
         flat = _one_buffer(tensors)

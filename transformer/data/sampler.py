@@ -55,7 +55,7 @@ class TokenBatchSampler:
         order = rng.permutation(n) if self.shuffle else np.arange(n)
         # Sort by the batch cost's own length, max(source, target), then target, then source, so a batch
         # holds similar lengths on both sides; the permutation breaks the remaining ties at random. It pads
-        # fewer tokens than a (target, source) sort (benchmarks/bench_data.py; docs/performance.md).
+        # fewer tokens than a (target, source) sort (benchmarks/bench_data.py; docs/benchmarks/code-choices.md).
         # One stable sort of a combined key is the lexsort of the three keys.
         size = np.maximum(self.src_sizes, self.tgt_sizes)
         bits = max(int(size.max(initial=0)).bit_length(), 1)

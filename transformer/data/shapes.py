@@ -5,7 +5,7 @@ Lengths come from a ladder of `steps` lengths an octave (trainer.shape_steps): w
 to 32, then 40, 48, 56, 64, 80, 96, 112, 128, 160, ..., so a length is padded by at most 3 positions up to 32 and by
 less than a quarter of itself above; 8 steps halve that padding (multiples of 2 up to 32, then 36, 40, ..., 64, 72,
 ..., less than an eighth above) for about twice the shapes, 16 steps pad nothing up to 32. A coarser ladder (8, 16,
-24, 32, 48, 64, 96, ...) gave half the shapes but twice the padding (docs/performance.md); lengths need not be
+24, 32, 48, 64, 96, ...) gave half the shapes but twice the padding (docs/benchmarks/switches.md); lengths need not be
 multiples of 8, since the matrix products' inner sizes are d_model and d_ff, and the attention kernels pad
 internally. The sampler packs a batch by its examples' ladder lengths (`shape_length(max(source, target))`), so a
 batch of length L holds at most `rows(L, budget)` = budget // L sentences, and padded to that many rows it still

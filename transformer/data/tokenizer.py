@@ -100,7 +100,7 @@ class SpacyTokenizer:
     training text (whether it mostly follows its left neighbour without a space, e.g. "," "." "'s", and
     whether it mostly precedes its right neighbour without one, e.g. "(" "„"); tokens are joined with one
     space unless a flag says otherwise. Straight quotes alternate open/close. This reproduces nearly all
-    Multi30k validation sentences exactly (benchmarks/bench_data.py measures it; docs/performance.md)."""
+    Multi30k validation sentences exactly (benchmarks/bench_data.py measures it; docs/benchmarks/code-choices.md)."""
 
     name = "spacy"
     shared_vocab = False

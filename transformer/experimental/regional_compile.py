@@ -11,7 +11,7 @@ def compile_layers(model: torch.nn.Module) -> None:
     (PyTorch's "regional compilation"). Dynamo compiles a layer class's `forward` once and every instance of the
     class reuses it (parameters are graph inputs), so a model compiles two graphs, an encoder layer and a
     decoder layer, whatever N is: the compile time of two layers instead of 2N layers and the glue between them
-    (docs/performance.md measures both). Embeddings, the memory projection and the generator stay eager, and no
+    (docs/benchmarks/switches.md measures both). Embeddings, the memory projection and the generator stay eager, and no
     kernel is fused across a layer boundary. Only the training forward is compiled, as with the whole model:
     validation (no gradients) and incremental decoding (a cache) call the layers eagerly. Every size of a
     layer's inputs is dynamic from the first call, the packings' integers too (dynamic=True: as integers they

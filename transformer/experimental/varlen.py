@@ -22,7 +22,7 @@ import torch
 
 # The CUDA kernels, imported by load_kernels() when a model turns unpadded attention on, not with this module:
 # importing torch.nn.attention.varlen imports torch._dynamo, which slowed every command's start (figure:
-# docs/performance.md, "Figures behind code choices").
+# docs/benchmarks/code-choices.md, "Figures behind code choices").
 flash_attn_varlen_func = None  # optional: pip install flash-attn (CUDA builds only)
 torch_varlen_attn, WINDOWED = None, False  # torch >= 2.10's; 2.10's takes `is_causal`, later ones `window_size`
 _loaded = False

@@ -25,7 +25,7 @@ class DecoderCache:
         Beam search moves hypotheses between the K rows of one sentence, which hold the same encoder
         keys/values: with `same_sources=True` those stay put, and move only to `source_rows` when finished
         sentences leave the batch (copying them at every step would cost a large share of beam search:
-        docs/performance.md).
+        docs/benchmarks/code-choices.md).
         """
         for layer in self.self_attn:
             for key in list(layer):

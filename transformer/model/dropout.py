@@ -1,7 +1,7 @@
 """Dropout (paper Section 5.4, P_drop) that costs little on CPUs.
 
 On a CPU, `nn.Dropout` draws one Bernoulli sample per element, and that costs as much as the matrix product
-before it (torch.profiler, `aten::bernoulli_`; docs/performance.md). Here one 64-bit random integer gives four
+before it (torch.profiler, `aten::bernoulli_`; docs/benchmarks/switches.md). Here one 64-bit random integer gives four
 16-bit ones, and an element is kept when its 16 bits pass a threshold: cheaper per call, the same
 expectation. P_drop is rounded to a multiple of 1/65536 (0.1 becomes 0.1000061), and survivors are scaled
 by the exact inverse of the rounded keep rate, so E[out] = x still holds.

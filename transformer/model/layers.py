@@ -15,7 +15,7 @@ from transformer.model.residual import dropout_add, dropout_add_norm, norm_to, s
 def no_cudnn_attention(device: torch.device) -> None:
     """Attention through flash or memory-efficient kernels, not cuDNN's. Token-bucketed batches (and each
     decoding step) bring a new (B, T, S) shape, and cuDNN's SDPA builds an execution plan for every new
-    shape on the host, which costs far more than its kernels (docs/performance.md)."""
+    shape on the host, which costs far more than its kernels (docs/benchmarks/switches.md)."""
     if device.type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
 
@@ -139,7 +139,7 @@ def padding_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _cpu_dropout_attention(q, k, v, mask, is_causal: bool, p: float) -> torch.Tensor:
     """Equation (1) with dropout on the weights (Section 5.4), as SDPA computes it on a CPU, but with the cheap
     dropout mask of transformer/model/dropout.py. With dropout, SDPA on a CPU takes its math path, which draws
-    one Bernoulli sample per weight, at a cost docs/performance.md gives. Like that
+    one Bernoulli sample per weight, at a cost docs/benchmarks/code-choices.md gives. Like that
     path, products and softmax run in fp32 whatever the input dtype (autocast off), and the result returns to it.
     q (B, h, T, d_k), k and v (B, h, S, d_k) -> (B, h, T, d_k)."""
     compute = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 (gradcheck)

@@ -36,7 +36,8 @@ def dropout_add(x: torch.Tensor, y: torch.Tensor, dropout: nn.Module, dtype: tor
     """x + Dropout(y) in `dtype` (the pre-norm residual): the sum computed in fp32 and rounded once. The operands
     are cast to `dtype` rather than the sum from fp32: a graph that casts fp32 to bf16 and back to fp32 (here, for
     the next LayerNorm) has the pair folded away by some releases' inductor (2.11's, not 2.13's), which then stores
-    or saves the fp32 tensor instead of the bf16 one (docs/performance.md, "CPU, 2026-12-01: torch 2.11")."""
+    or saves the fp32 tensor instead of the bf16 one (docs/benchmarks/cpu-checks-of-gpu-paths.md, "CPU,
+    2026-12-01: torch 2.11")."""
     return x.to(dtype) + dropout(y.to(dtype))
 
 

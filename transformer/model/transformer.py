@@ -221,7 +221,7 @@ class Transformer(nn.Module):
         packed memory (N_s, d_model) -> (N_s, h, d_k) each. Taken apart along the product's own layout, so
         that autograd assembles their gradients in that layout, as the product's backward reads it: indexing
         a (N_dec, 2, B, h, S, d_k) view instead had the compiled backward zero-fill and write that shape, then
-        transpose it in a second pass (docs/performance.md, "Stacked projections")."""
+        transpose it in a second pass (docs/benchmarks/switches.md, "Stacked projections")."""
         parts = self._memory_kv(memory).unbind(-3)  # 2·N_dec x (B, S, h, d_k) or (N_s, h, d_k)
         if memory.dim() == 3:
             parts = [p.transpose(1, 2) for p in parts]  # (B, h, S, d_k)

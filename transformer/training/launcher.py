@@ -168,7 +168,7 @@ def set_threads(requested: Optional[int], local_workers: int) -> int:
     """torch's intra-op threads: `trainer.threads`, else OMP_NUM_THREADS where the launcher or the user set
     it, else the cores this process may run on (its affinity mask, which Slurm and taskset set) shared among
     the workers of this node. torch's default (every core of the machine in every worker) oversubscribes
-    the cores and slows training several times over (docs/performance.md)."""
+    the cores and slows training several times over (docs/benchmarks/code-choices.md)."""
     omp = os.environ.get("OMP_NUM_THREADS", "")
     threads = requested or (int(omp) if omp.isdigit() and int(omp) > 0 else
                             max(1, len(os.sched_getaffinity(0)) // max(local_workers, 1)))

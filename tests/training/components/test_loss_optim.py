@@ -200,7 +200,7 @@ def test_compiled_loss_keeps_no_vocabulary_sized_buffer_and_passes_gradcheck():
     """The compiled loss's graphs (forward and backward) allocate nothing of the logits' (N, V) size: the
     forward keeps numbers per row, the backward writes its gradient into the logits. Autograd of the compiled
     log_softmax form stored the fp32 log-probabilities and a zeroed fp32 (N, V) tensor on GPUs
-    (docs/performance.md)."""
+    (docs/benchmarks/cpu-checks-of-gpu-paths.md)."""
     import re
 
     from torch._inductor.utils import run_and_get_code

@@ -222,7 +222,8 @@ def test_top_operators_lists_kernels_by_self_device_time_per_step():
 
 
 def test_kernel_families_name_the_kernels_of_real_profiles():
-    """Names from the H200 profiles of docs/performance.md: compiled kernels are told apart by what they fuse."""
+    """Names from the H200 profiles of docs/benchmarks/2026-11-gpu.md: compiled kernels are told apart by what
+    they fuse."""
     from transformer.training.tools.profiling import kernel_family
 
     names = {
@@ -565,7 +566,7 @@ def test_bench_gpu_gives_no_run_more_than_its_cap(tmp_path, monkeypatch):
                            "--out", str(tmp_path / "c.jsonl")]) == 0
     assert timeouts and all(30 <= t <= 40 for t in timeouts)
     # every run "failed" here (the stand-in returns no record): under the cap, a failure; cut by the budget's end,
-    # said so (a lease's summary once called such a run failed: docs/performance.md)
+    # said so (a lease's summary once called such a run failed: docs/benchmarks/2026-11-gpu.md)
     assert "failed (see the log)" in (tmp_path / "b.md").read_text()
     assert "cut at the budget's end" in (tmp_path / "c.md").read_text()
 

@@ -25,7 +25,7 @@ reads the logits and keeps three numbers a row, the backward reads them and writ
 the logits with `inplace`); neither allocates a vocabulary-sized tensor
 (tests/training/components/test_loss_optim.py). On GPUs,
 where each chunk of the fused loss is a dozen kernels that each read or write the whole fp32 chunk, it is the
-faster one (docs/performance.md). `choose` picks between them for trainer.loss=auto.
+faster one (docs/benchmarks/switches.md). `choose` picks between them for trainer.loss=auto.
 """
 
 import functools
@@ -64,7 +64,8 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
 def choose(loss: str, device: torch.device, cuda_graphs: bool = False, compile: bool = False) -> str:
     """trainer.loss as run on `device`: "auto" becomes "compiled" on CUDA GPUs where torch.compile can build
     its kernels, except under trainer.cuda_graphs without trainer.compile (graphs with the compiled loss were
-    measured with the model compiled too: docs/performance.md), and "fused" elsewhere; any other name is kept."""
+    measured with the model compiled too: docs/benchmarks/switches.md), and "fused" elsewhere; any other name is
+    kept."""
     if loss != "auto":
         return loss
     graphs_ok = not cuda_graphs or compile
@@ -90,7 +91,7 @@ def _compiled(fn):
 
 def rows_per_chunk(logits: torch.Tensor) -> int:
     """Rows whose fp32 copy fits in a core's cache on CPUs (4 MiB; smaller chunks measured the same:
-    docs/performance.md); on GPUs few, large chunks, since every chunk costs kernel launches."""
+    docs/benchmarks/code-choices.md); on GPUs few, large chunks, since every chunk costs kernel launches."""
     elements = 1 << 20 if logits.device.type == "cpu" else 1 << 26
     return max(1, elements // logits.size(-1))
 
@@ -149,7 +150,7 @@ class _CompiledLoss(torch.autograd.Function):
 
     Autograd of the compiled log_softmax form (this class's predecessor) had the compiler save the fp32
     log-probabilities for the backward pass and build the gradient from a zeroed fp32 (N, V) tensor: on GPUs,
-    four vocabulary-sized fp32 passes (docs/performance.md, "the compiled loss in two graphs").
+    four vocabulary-sized fp32 passes (docs/benchmarks/cpu-checks-of-gpu-paths.md, "the compiled loss in two graphs").
     Written as the fused loss's formulas instead, the forward graph reads the logits once and keeps three
     numbers a row, and the backward graph reads them once and writes the gradient once, in the logits' dtype
     and, with `inplace`, into their own storage.

@@ -114,7 +114,7 @@ def build_optimizer(model: torch.nn.Module, cfg_optim, d_model: int, capturable:
     captured in a CUDA graph; the schedule writes the rate into its tensor before each step."""
     params = [p for p in model.parameters() if p.requires_grad]
     # Fused Adam: one kernel over all parameters, on CPUs too (torch >= 2.4), several times faster than the
-    # per-tensor loop (docs/performance.md).
+    # per-tensor loop (docs/benchmarks/switches.md).
     kwargs = {"fused": True} if params and params[0].device.type in ("cuda", "cpu") else {}
     lr = 0.0
     if capturable:

@@ -21,7 +21,7 @@ from transformer.training.speed.graphs import check_cuda_graphs
 def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype of the forward pass, or None for fp32. auto means bf16 where the device multiplies
     bf16 in hardware and fp32 elsewhere: on a CPU, oneDNN runs bf16 products on AMX or AVX512-BF16 units
-    but emulates them elsewhere, far more slowly than fp32 (docs/performance.md). fp16 has no fast CPU
+    but emulates them elsewhere, far more slowly than fp32 (docs/benchmarks/cpu.md). fp16 has no fast CPU
     kernels and stays fp32 there."""
     if precision == "fp32" or device.type not in ("cpu", "cuda"):
         return None

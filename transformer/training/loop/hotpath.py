@@ -69,7 +69,7 @@ def step_result(stats: torch.Tensor, grad_norm: Optional[torch.Tensor]) -> StepR
 
 class LoopKeys(NamedTuple):
     """The config keys the training loop reads every step, read once: each read of an OmegaConf node is
-    host time that a host-bound GPU step waits for (docs/performance.md, "The host")."""
+    host time that a host-bound GPU step waits for (docs/benchmarks/the-step.md, "The host")."""
     max_steps: Optional[int]
     max_epochs: Optional[int]
     max_minutes: Optional[float]

@@ -40,7 +40,7 @@ class TrainStep:
         self.graphs, self.env, self.pad_multiple = graphs, env, pad_multiple
         self.timer: Optional[StepTimer] = None  # transformer-bench's phase timer
         # What every step reads, read once: walking the module tree (train(), parameters()) and reading config
-        # nodes is host time that host-bound GPU steps (base, Multi30k's batches) wait for (docs/performance.md,
+        # nodes is host time that host-bound GPU steps (base, Multi30k's batches) wait for (docs/benchmarks/the-step.md,
         # "The host"). The parameters and modules are fixed once the model is parallelized.
         self.params = list(self.model.parameters())
         self.modules = list(self.net.modules())

@@ -43,10 +43,10 @@ def keep_freed_memory() -> bool:
     the kernel. torch's CPU allocator has no cache of its own: every step allocates its activations and
     gradients anew, and glibc serves blocks over 32 MiB (the logits of a 2048-token batch, their gradient)
     with a fresh mmap and returns them on free, trimming the heap above 128 KiB too; the kernel then
-    faults in and zeroes every 4 KiB page again, many thousands a step (docs/performance.md). With mmap off
+    faults in and zeroes every 4 KiB page again, many thousands a step (docs/benchmarks/switches.md). With mmap off
     and the trim threshold at 1 GiB, a step reuses the heap pages of the step before. Returns whether the
     setting took (glibc on Linux; elsewhere it does nothing). Resident memory then stays at its peak, a
-    little above the peak without it (docs/performance.md)."""
+    little above the peak without it (docs/benchmarks/switches.md)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -65,7 +65,7 @@ def native_bf16_tf32(device: torch.device) -> bool:
 
 
 def native_bf16_cpu() -> bool:
-    """AMX or AVX512-BF16 (the CPU kinds: docs/performance.md): oneDNN runs bf16 products in hardware.
+    """AMX or AVX512-BF16 (the CPU kinds: docs/benchmarks/cpu.md): oneDNN runs bf16 products in hardware.
     Elsewhere it emulates them, more slowly than fp32. torch.cpu's probes are private, hence the getattr."""
     probes = ("_is_amx_tile_supported", "_is_avx512_bf16_supported")
     return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
@@ -105,7 +105,7 @@ def pad_multiple(tcfg) -> int:
     """trainer.pad_to_multiple, or its default: 1, no padding, since every extra position is wasted work. Under
     torch.compile too: lengths are marked dynamic, so rounding them no longer bounds recompilation; the
     generated kernels take symbolic sizes, and the products' and attention's alignment needs are on d_model
-    and the mask's row stride (layers.padding_bias), not on the lengths (docs/performance.md, the switches)."""
+    and the mask's row stride (layers.padding_bias), not on the lengths (docs/benchmarks/switches.md, the switches)."""
     return tcfg.pad_to_multiple if tcfg.pad_to_multiple is not None else 1
 
 
