@@ -99,7 +99,7 @@ fp8-curve-gpu:  ## on a GPU machine (sm_89+, .whl): 1,000 steps of bf16 and fp8,
 MULTI30K_DIR ?= ../shared/data/multi30k
 GPU_RUN ?= outputs/gpu-multi30k
 GPU_TMP ?= /tmp/gpu-multi30k
-GPU_TRAIN_ARGS ?= trainer.cuda_graphs=true trainer.max_minutes=2.5 seed=1234
+GPU_TRAIN_ARGS ?= speed=graphs trainer.max_minutes=2.5 seed=1234
 gpu-data:  ## Multi30k's raw files into data/multi30k, to carry to a GPU machine
 	mkdir -p data/multi30k && cp $(MULTI30K_DIR)/*.gz data/multi30k/
 

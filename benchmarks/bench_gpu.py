@@ -39,9 +39,9 @@ from gpu_tier import append, env, run_group, run_tests  # noqa: E402  (beside th
 # batch, its vocabulary and short sentences approximated) and at 16k and 32k tokens.
 WORKLOADS = {
     "multi30k": ("experiment=multi30k", "bench.vocab_size=8000", "bench.length_mean=14", "bench.length_std=5"),
-    "base@recipe": ("experiment=wmt14_base",),
+    "base@recipe": ("experiment=wmt14_base", "speed=eager"),  # the sets switch on top of eager
     "base@16k": ("model=base", "data.max_tokens=16384"),
-    "big@recipe": ("experiment=wmt14_big",),
+    "big@recipe": ("experiment=wmt14_big", "speed=eager"),
     "big@16k": ("model=big", "data.max_tokens=16384"),
     "big@32k": ("model=big", "data.max_tokens=32768"),
 }
@@ -115,7 +115,12 @@ FIRST = ("compile+unpadded", "all+unpadded+no_mix_order", "all", "compile+bf16_r
          "compile+bf16_residual+pad8", "fp8", "compile+fp8", "compile", "loss=fused", "cuda_graphs")
 # the whole model's compile against the layers' first, for big, whose whole-model warm-up is the longest
 PAIR = [("big@16k", "all+unpadded"), ("big@16k", "all+unpadded+layers"), ("base@16k", "all+unpadded+layers")]
-PLAN = (HEAD + [("base@16k", "dropout_everywhere")] + PAIR + [(w, s) for s in PACKED for w in ("big@16k", "base@16k")]
+# The presets (conf/speed/) as the sets that spell them out, timed right after HEAD: compiled_graphs = `all`,
+# graphs = `cuda_graphs`, compiled = `compile+bf16_residual` (docs/performance.md "Presets").
+PRESETS = [("big@16k", "all"), ("base@16k", "all"), ("multi30k", "cuda_graphs"), ("multi30k", "all"),
+           ("big@16k", "compile+bf16_residual")]
+PLAN = (HEAD + PRESETS + [("base@16k", "dropout_everywhere")] + PAIR
+        + [(w, s) for s in PACKED for w in ("big@16k", "base@16k")]
         + [("multi30k", s) for s in ("cuda_graphs+unpadded", "cuda_graphs")]
         + [(w, s) for s in FIRST for w in ("big@16k", "base@16k")]
         + [("big@recipe", s) for s in FIT_SETS]

@@ -100,12 +100,13 @@ class TrainerConfig:
     deterministic: bool = False  # torch's deterministic algorithms (bit-exact GPU resume; slower)
     timeout_s: int = 600  # process-group timeout: a dead peer fails the job after this long
     compile: bool = False  # torch.compile the model
-    compile_scope: str = "model"  # what trainer.compile compiles: model (one graph) | layers (each layer)
+    compile_scope: str = "model"  # what trainer.compile compiles: model (one graph) | layers (experimental)
     progress: bool = True  # progress bar on rank 0
     threads: Optional[int] = None  # torch CPU threads per worker; None = the cores this process may use / local workers
     ema_decay: float = 0.0  # exponential moving average of the weights (0 = off); validation scores the average
     dropout_by_epoch: List[float] = field(default_factory=list)  # P_drop of epochs 0, 1, ...; model.dropout after
-    # Speed switches (transformer/training/speed/speedups.py; measured or not, docs/performance.md):
+    # Speed switches (transformer/training/speed/; measured or not, docs/performance.md). The `speed` group sets
+    # compile, bf16_residual, cuda_graphs (and loss) to a measured preset; a switch given after it refines it.
     tf32: bool = True  # GPUs: float32 matrix products in TF32 (no effect on bf16 autocast's products)
     keep_freed_memory: bool = True  # CPUs (glibc): freed tensor memory is reused, not handed back to the kernel
     pad_to_multiple: Optional[int] = None  # batch lengths padded up to a multiple; None: 1, no padding
@@ -118,10 +119,10 @@ class TrainerConfig:
     # compile; fused elsewhere
     loss: str = "auto"
     bf16_residual: bool = False  # under bf16 autocast: residual stream in bf16, LayerNorm statistics in fp32
-    unpadded_attention: bool = False  # training forward on the real tokens only, packed, variable-length attention
-    # fixed: data.max_tokens and trainer.accumulate as given. fit: on a CUDA GPU, before the first step, the largest
-    # micro-batch that memory allows (probed), accumulate lowered to keep the tokens per update (workers x
-    # accumulate x max_tokens); kept in the checkpoint, reused on resume; nothing is probed on CPUs
+    unpadded_attention: bool = False  # experimental: training forward on the packed real tokens, varlen attention
+    # fixed: data.max_tokens and trainer.accumulate as given. fit (experimental): on a CUDA GPU, before the first
+    # step, the largest micro-batch that memory allows (probed), accumulate lowered to keep the tokens per update
+    # (workers x accumulate x max_tokens); kept in the checkpoint, reused on resume; nothing is probed on CPUs
     micro_batch: str = "fixed"
     micro_batch_margin: float = 0.1  # fit: share of the GPU's memory left free above the probe's peak
     micro_batch_tolerance: float = 0.01  # fit: largest relative change of the tokens per update, else refused

@@ -31,7 +31,7 @@ A misspelt key fails before anything runs with its full name (`Key 'lrr' not in 
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 # Sections chosen from a group of files under conf/ (the rest are set by key or by an experiment).
-GROUPS = ("model", "data", "tokenizer", "experiment")
+GROUPS = ("model", "data", "tokenizer", "speed", "experiment")
 
 
 def _comments(cls) -> dict:
@@ -95,6 +95,29 @@ def options(group: str) -> List[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
 
 
+def presets() -> List[str]:
+    """The `speed` group as a table: each preset's use (its file's leading comment), the switches it sets and
+    the ones that refine it."""
+    lines = ["## Speed presets (`speed=`)", "",
+             "Each names a measured set of the step's speed switches (the figures: docs/performance.md). A `trainer.*`",
+             "switch given on the command line after it refines it (`speed=graphs trainer.shape_steps=8`).", "",
+             "| preset | for | sets | refine with |", "|---|---|---|---|"]
+    for name in options("speed"):
+        use, refine, sets = [], [], []
+        for line in (CONF_DIR / "speed" / f"{name}.yaml").read_text(encoding="utf-8").splitlines():
+            if line.startswith("# @package"):
+                continue
+            if line.startswith("# Refine with:"):
+                refine.append(line.split(":", 1)[1].strip())
+            elif line.startswith("# "):
+                (refine if refine else use).append(line[2:].strip())
+            elif ":" in line:
+                key, value = (part.strip() for part in line.split(":", 1))
+                sets.append(f"`trainer.{key}={value}`")
+        lines.append(f"| `{name}` | {' '.join(use)} | {', '.join(sets)} | {' '.join(refine)} |")
+    return lines + [""]
+
+
 def _table(cls, prefix: str) -> List[str]:
     lines = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for key, tp, default, note in rows(cls, prefix):
@@ -108,6 +131,7 @@ def render() -> str:
     out += ["## Groups", "", "| group | options (files under `conf/`) |", "|---|---|"]
     out += [f"| `{g}` | {', '.join(f'`{o}`' for o in options(g))} |" for g in GROUPS]
     out.append("")
+    out += presets()
     for f in dataclasses.fields(Config):
         tp = hints[f.name]
         if not dataclasses.is_dataclass(tp):

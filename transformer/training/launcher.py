@@ -25,6 +25,7 @@ from transformer.config import ConfigError, from_container, to_container
 from transformer.data import build_data
 from transformer.data.download import DownloadError
 from transformer.environment import describe, machine_error
+from transformer.experimental import in_use
 from transformer.experimental.microbatch import fit_micro_batch
 from transformer.model import Transformer
 from transformer.tasks import build_task
@@ -100,6 +101,9 @@ def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[D
     log.info("%d worker(s) on %s, %d CPU thread(s) each, %s | model %.2fM parameters | run dir %s", env.world_size,
              env.device, threads, speedups.compute_type(trainer.amp_dtype, env.device),
              sum(p.numel() for p in model.parameters()) / 1e6, run_dir)
+    experimental = in_use(cfg.trainer)
+    if experimental:
+        warn(f"experimental, not yet timed on a GPU (docs/performance.md): {', '.join(experimental)}")
     try:
         code = trainer.train()
     except BaseException as e:  # the experiment trackers record the failure too

@@ -50,7 +50,8 @@ def check_cuda_graphs(tcfg, device: torch.device) -> None:
     refuses the conflicting keys)."""
     if tcfg.cuda_graphs and device.type != "cuda":
         raise ConfigError(f"trainer.cuda_graphs=true: needs a CUDA device, this run is on {device.type}; "
-                          "set trainer.cuda_graphs=false (trainer.static_shapes=true alone works everywhere)")
+                          "set speed=eager or trainer.cuda_graphs=false (trainer.static_shapes=true alone works "
+                          "everywhere)")
 
 
 class GraphStep:
