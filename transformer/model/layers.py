@@ -101,6 +101,8 @@ class MultiHeadAttention(nn.Module):
             return self._explicit_attention(q, k, v, mask, is_causal)
         if p > 0 and uses_keep_mask(q):
             return _cpu_dropout_attention(q, k, v, mask, is_causal, p)
+        if q.dtype == torch.bfloat16 and q.device.type == "cpu":
+            return _cpu_fp32_attention(q, k, v, mask, is_causal, p)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
 
     def _explicit_attention(self, q, k, v, mask, is_causal):
@@ -147,6 +149,21 @@ def _cpu_dropout_attention(q, k, v, mask, is_causal: bool, p: float) -> torch.Te
         weights = attention_weights(q.to(compute), k.to(compute), mask, is_causal)
         weights = weights * keep_mask(weights.shape, p, weights.dtype)
         return (weights @ v.to(compute)).to(v.dtype)
+
+
+def _cpu_fp32_attention(q, k, v, mask, is_causal: bool, p: float) -> torch.Tensor:
+    """Equation (1) through SDPA in fp32 for bf16 inputs on a CPU, the result back in bf16. torch's CPU flash
+    kernel's backward is several times slower in bf16 than in fp32 at this project's shapes (d_k 32, tens of
+    positions), more than the attention's share of the step gains from bf16 (docs/benchmarks/2026-12-02-cpu-bf16.md);
+    the casts of q, k, v and the output are small next to the products of the projections.
+    q (B, h, T, d_k), k and v (B, h, S, d_k) -> (B, h, T, d_k)."""
+    if mask is not None and mask.dtype != torch.bool:  # the additive padding bias, in bf16: in fp32, rows 8-aligned
+        S = mask.size(-1)  # as `padding_bias` makes them
+        mask = mask.new_empty(*mask.shape[:-1], (S // 8 + 1) * 8, dtype=torch.float32)[..., :S].copy_(mask)
+    with torch.autocast("cpu", enabled=False):
+        out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=p,
+                                             is_causal=is_causal)
+    return out.to(q.dtype)
 
 
 ACTIVATIONS = {"relu": F.relu, "swish": F.silu, "gelu": F.gelu}
