@@ -4,8 +4,9 @@ the same DataLoader workers as training (data.num_workers).
 
 Reported: real (non-pad) target and source tokens/s, sentences/s, where a step's time goes (data wait on
 the host; forward+backward, the statistics all-reduce and the optimiser from CUDA events or the CPU
-clock), peak memory, model FLOPs per step (transformer/model/flops.py) and MFU = achieved / peak on a GPU
-whose peak is known (or `bench.peak_tflops`). Useful FLOPs are those of the real tokens, each sentence at
+clock), peak memory, model FLOPs per step (transformer/model/flops.py) and MFU = achieved / peak: a GPU's
+datasheet peak, a CPU's measured `torch.mm` peak at the model's shapes (transformer/training/peak.py), or
+`bench.peak_tflops`. Useful FLOPs are those of the real tokens, each sentence at
 its own length: what padding adds (to the batch's longest sentence, and to trainer.pad_to_multiple) is
 reported apart as waste, never as useful work. The timed steps run as `bench.repeats` windows whose spread
 is reported; then a profile window gives the device busy fraction, the top kernels (top operators on a
@@ -34,6 +35,7 @@ from transformer.model.flops import real_flops, step_flops
 from transformer.training.loop.hotpath import LaggedFlag, StepTimer, TrainWindow
 from transformer.training.reporting.logs import Progress, setup_logging
 from transformer.training.speed import speedups
+from transformer.training.tools.peak import cpu_peak_tflops
 from transformer.training.tools.profiling import profile_window
 
 log = logging.getLogger(__name__)
@@ -309,7 +311,12 @@ def summarise(trainer, cfg, m: dict) -> dict:
     achieved, achieved_run = t.flops_real / local_wall, t.flops_run / local_wall
     name = torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else "cpu"
     compute = speedups.compute_type(trainer.amp_dtype, trainer.env.device)
-    peak = b.peak_tflops or (peak_tflops(name, compute) if env.device.type == "cuda" else None)
+    peak, peak_source = b.peak_tflops, "bench.peak_tflops"
+    if not peak and env.device.type == "cuda":
+        peak, peak_source = peak_tflops(name, compute), "datasheet"
+    elif not peak and env.device.type == "cpu":  # no datasheet: torch.mm at the model's shapes, now
+        peak, peak_source = cpu_peak_tflops(trainer.model.args, trainer.data.train_sampler.max_tokens, compute), \
+            f"torch.mm {compute} at the model's shapes"
     step_ms = 1e3 * local_wall / total_steps
     split = {"data_wait_ms": 1e3 * t.data_s / total_steps,
              **{f"{k}_ms": v for k, v in m["phases"].items()}}
@@ -347,6 +354,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "waste_padding": (t.flops_batch - t.flops_real) / max(t.flops_run, 1),
         "waste_pad_multiple": (t.flops_run - t.flops_batch) / max(t.flops_run, 1),
         "achieved_tflops": achieved / 1e12, "achieved_tflops_computed": achieved_run / 1e12, "peak_tflops": peak,
+        "peak_source": peak_source if peak else None,
         "mfu": achieved / (peak * 1e12) if peak else None,
         "mfu_computed": achieved_run / (peak * 1e12) if peak else None,
         "mfu_spread": _spread(mfu_window) if mfu_window else None,

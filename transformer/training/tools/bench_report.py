@@ -26,8 +26,9 @@ def table(r: dict) -> str:
             f"compile {r['compile']} | data {r['data']} max_tokens={r['max_tokens']} accumulate={r['accumulate']}")
     if r["mfu"] is not None:
         sp = r["mfu_spread"]
-        mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:g} TFLOP/s on real tokens (repeats {100 * sp['min']:.1f}"
-               f"-{100 * sp['max']:.1f}%); {100 * r['mfu_computed']:.1f}% counting padding")
+        mfu = (f"{100 * r['mfu']:.1f}% of {r['peak_tflops']:.4g} TFLOP/s ({r.get('peak_source')}) on real tokens "
+               f"(repeats {100 * sp['min']:.1f}-{100 * sp['max']:.1f}%); {100 * r['mfu_computed']:.1f}% counting "
+               "padding")
     else:
         mfu = "n/a (no known peak: set bench.peak_tflops)" if r["device"] != "cpu" else "n/a on CPU"
     sp = r["tgt_tokens_per_s_spread"]
