@@ -5,7 +5,7 @@ the same DataLoader workers as training (data.num_workers).
 Reported: real (non-pad) target and source tokens/s, sentences/s, where a step's time goes (data wait on
 the host; forward+backward, the statistics all-reduce and the optimiser from CUDA events or the CPU
 clock), peak memory, model FLOPs per step (transformer/model/flops.py) and MFU = achieved / peak: a GPU's
-datasheet peak, a CPU's measured `torch.mm` peak at the model's shapes (transformer/training/peak.py), or
+datasheet peak, a CPU's measured `torch.mm` peak at the model's shapes (transformer/training/tools/peak.py), or
 `bench.peak_tflops`. Useful FLOPs are those of the real tokens, each sentence at
 its own length: what padding adds (to the batch's longest sentence, and to trainer.pad_to_multiple) is
 reported apart as waste, never as useful work. The timed steps run as `bench.repeats` windows whose spread
