@@ -72,3 +72,21 @@ def test_probe_times_both_precisions_and_leaves_the_model_and_rng_alone():
     assert fp32_ms > 0 and bf16_ms > 0
     assert all(p.grad is None for p in model.parameters()) and torch.equal(torch.get_rng_state(), state)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("saved, expected", [("bfloat16", torch.bfloat16), ("None", None)])
+def test_a_resumed_auto_run_keeps_its_checkpoints_precision(tmp_path, saved, expected):
+    """precision=auto's probe could answer otherwise on a resume: the checkpoint's dtype wins, said in a line;
+    an explicit precision is left as given."""
+    from tests.training.loop.test_trainer import make_trainer
+
+    trainer = make_trainer(tmp_path)  # auto, resolved to fp32 here (tests/conftest.py)
+    ckpt = trainer.state_dict()
+    assert ckpt["trainer"]["amp_dtype"] == "None"
+    ckpt["trainer"]["amp_dtype"] = saved
+    resumed = make_trainer(tmp_path)
+    resumed.load_state_dict(ckpt)
+    assert resumed.amp_dtype is expected and resumed.parallel.amp_dtype is expected
+    explicit = make_trainer(tmp_path, "trainer.precision=fp32")
+    explicit.load_state_dict(ckpt)
+    assert explicit.amp_dtype is None
