@@ -1,6 +1,6 @@
 """Building blocks of the Transformer (paper Section 3): attention, feed-forward, encoder and decoder layers."""
 import math
-from typing import Dict, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -59,11 +59,11 @@ class MultiHeadAttention(nn.Module):
         return qkv.permute(2, 0, 3, 1, 4).unbind(0)  # 3 x (B, h, T, d_k)
 
     def forward(self, query: torch.Tensor, kv: Optional[torch.Tensor] = None, mask=None,
-                is_causal: bool = False, cache: Optional[Dict[str, torch.Tensor]] = None) -> torch.Tensor:
+                is_causal: bool = False, cache=None) -> torch.Tensor:
         """query (B, T, d_model). Self-attention: keys/values from `query`; cross-attention: `kv`, keys and values
         (B, h, S, d_k) each, as a pair or stacked (2, B, h, S, d_k).
-        `cache` (decoder self-attention while decoding) holds the keys/values of earlier positions and is
-        extended in place, so each new token costs one row of attention instead of the whole prefix."""
+        `cache` (decoder self-attention while decoding, a `LayerCache`) holds the keys/values of earlier positions
+        and is extended in place, so each new token costs one row of attention instead of the whole prefix."""
         if isinstance(mask, VarlenMask):  # packed rows (transformer/experimental/varlen.py)
             return self._forward_packed(query, kv, mask, is_causal)
         B, T, _ = query.shape
@@ -72,9 +72,7 @@ class MultiHeadAttention(nn.Module):
         else:
             q, (k, v) = self.split_heads(self.q_proj(query)), kv  # (B, h, T, d_k), (B, h, S, d_k)
         if cache is not None:
-            if "k" in cache:
-                k, v = torch.cat([cache["k"], k], dim=2), torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
+            k, v = cache.append(k, v)  # written into the cache in place -> (B, h, S, d_k) all positions
             if T > 1:  # several new positions at once: causal among themselves, all of the cache visible
                 S = k.size(2)
                 mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
@@ -235,7 +233,7 @@ class DecoderLayer(nn.Module):
         self.sub3 = SublayerConnection(d_model, dropout, norm_first)
 
     def forward(self, x: torch.Tensor, memory_kv, src_mask,
-                cache: Optional[Dict[str, torch.Tensor]] = None, tgt_mask: Optional[VarlenMask] = None) -> torch.Tensor:
+                cache=None, tgt_mask: Optional[VarlenMask] = None) -> torch.Tensor:
         """x (B, T, d_model); memory_kv: this layer's keys and values of the encoder output, (B, h, S, d_k)
         each, a pair (training) or stacked (2, B, h, S, d_k) (the decoding cache). Packed (Transformer.forward
         with unpadded attention): x (N_t, d_model), memory_kv a pair of (N_s, h, d_k), and src_mask and

@@ -256,9 +256,15 @@ class Transformer(nn.Module):
             self_caches = [None] * len(self.decoder)
         else:
             cross_kv, self_caches, src_mask = cache.cross_kv, cache.self_attn, cache.src_mask
+            cache.extend(tgt_in.size(1))
         x = self.tgt_embed(tgt_in, offset=cache.length if cache is not None else 0)
+        if cache is not None:  # the layers run in the cache's row order (DecoderCache.slots)
+            x = cache.to_slots(x)
         for layer, kv, layer_cache in zip(self.decoder, cross_kv, self_caches, strict=True):
             x = layer(x, kv, src_mask, cache=layer_cache)
+        if cache is not None:
+            x = cache.from_slots(x)
+            cache.advance(tgt_in.size(1))
         return self.generator(self._final_norm(self.dec_norm, x))  # (B, T, V)
 
     def _final_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
