@@ -75,9 +75,9 @@ class DecoderCache:
         Beam search moves hypotheses between the K rows of one sentence, which hold the same encoder
         keys/values: with `same_sources=True` those stay put, and move only to `source_rows` when finished
         sentences leave the batch (copying them at every step would cost a large share of beam search:
-        docs/benchmarks/code-choices.md). Within a sentence the first child of a hypothesis takes over its buffer row, and
-        only further children copy the keys/values of their parent, into the row of a hypothesis that has none.
-        When rows leave the batch, the buffer is compacted into the search's order.
+        docs/benchmarks/code-choices.md). Within a sentence the first child of a hypothesis takes over its buffer
+        row, and only further children copy the keys/values of their parent, into the row of a hypothesis that has
+        none. When rows leave the batch, the buffer is compacted into the search's order.
         """
         if same_sources and source_rows is None and rows.numel() == self._rows():
             self._follow(rows)

@@ -112,7 +112,7 @@ def test_reorder_within_sentences_moves_keys_values_as_a_copy_would():
         kv = cache.kv[..., :cache.length, :]
         return kv if cache.slots is None else kv.index_select(0, cache.slots)
 
-    for step in range(6):
+    for _ in range(6):
         parent = (torch.arange(B)[:, None] * K + torch.randint(0, K, (B, K), generator=g)).view(-1)
         expected = logical().index_select(0, parent)
         cache.reorder(parent, None, same_sources=True)
