@@ -14,7 +14,7 @@ from tests.helpers.cli import cli_env
 from tests.helpers.data import MULTI30K, needs_multi30k
 from tests.helpers.inprocess import bench_in_process
 from transformer.training.speed.speedups import native_bf16_cpu
-from transformer.training.tools.bench import peak_tflops
+from transformer.training.tools.peak import peak_tflops
 
 TINY = ("model=tiny", "model.N=1", "bench.synthetic=true", "bench.sentences=400", "bench.vocab_size=500",
         "bench.max_len=40", "data.max_tokens=600", "bench.warmup=1", "bench.steps=3", "bench.repeats=2",

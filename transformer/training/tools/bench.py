@@ -17,7 +17,6 @@ torchrun every rank runs steps; tokens/s are for the whole job and MFU per GPU.
 import itertools
 import logging
 import os
-import re
 import resource
 import subprocess
 import time
@@ -35,33 +34,10 @@ from transformer.model.flops import real_flops, step_flops
 from transformer.training.loop.hotpath import LaggedFlag, StepTimer, TrainWindow
 from transformer.training.reporting.logs import Progress, setup_logging
 from transformer.training.speed import speedups
-from transformer.training.tools.peak import cpu_peak_tflops
+from transformer.training.tools.peak import cpu_peak_tflops, peak_tflops
 from transformer.training.tools.profiling import profile_window
 
 log = logging.getLogger(__name__)
-
-# Dense (no sparsity) peak TFLOP/s from NVIDIA's datasheets, by the name torch.cuda.get_device_name gives;
-# the first pattern that matches wins, so specific variants come before their family.
-GPU_PEAKS = [
-    (r"H100.*PCIe", {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
-    (r"H[12]00 NVL", {"bf16": 835, "fp16": 835, "tf32": 418, "fp32": 60}),
-    (r"H100|H200", {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67}),  # SXM (and GH200)
-    (r"A100", {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
-    (r"V100", {"fp16": 125, "fp32": 15.7}),
-    (r"L40S", {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6}),
-    (r"\bL4\b", {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3}),
-    (r"\bA10\b", {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2}),
-    (r"\bT4\b", {"fp16": 65, "fp32": 8.1}),
-]
-
-
-def peak_tflops(device_name: str, compute: str) -> Optional[float]:
-    """The table's peak for this GPU and compute type (bf16, fp16, tf32, fp32), or None if unknown."""
-    for pattern, peaks in GPU_PEAKS:
-        if re.search(pattern, device_name):
-            return peaks.get(compute)
-    return None
-
 
 def check_bench(cfg) -> None:
     b = cfg.bench

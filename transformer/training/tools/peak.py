@@ -4,10 +4,11 @@ A CPU has no datasheet peak the benchmark could look up (its clock, vector units
 reach them vary by machine), so the limit is what `torch.mm` reaches in the same process, in the compute dtype,
 at the model's own product shapes: the feed-forward's (tokens x d_model . d_model x d_ff and back), the
 attention's stacked projection (d_model -> 3 d_model) and the output layer (d_model -> vocabulary). A GPU keeps
-its datasheet peak (transformer/training/bench.py, GPU_PEAKS).
+its datasheet peak (GPU_PEAKS, below).
 """
+import re
 import time
-from typing import Iterable, List, Tuple
+from typing import Iterable, List, Optional, Tuple
 
 import torch
 
@@ -46,3 +47,26 @@ def cpu_peak_tflops(args, tokens: int, compute: str, seconds: float = 0.25) -> f
     rows, in `compute` ("bf16" multiplies bf16 tensors, as autocast does; anything else fp32)."""
     dtype = torch.bfloat16 if compute == "bf16" else torch.float32
     return mm_peak_tflops(model_shapes(tokens, args.d_model, args.d_ff, args.tgt_vocab_size), dtype, seconds)
+
+
+# Dense (no sparsity) peak TFLOP/s from NVIDIA's datasheets, by the name torch.cuda.get_device_name gives;
+# the first pattern that matches wins, so specific variants come before their family.
+GPU_PEAKS = [
+    (r"H100.*PCIe", {"bf16": 756, "fp16": 756, "tf32": 378, "fp32": 51}),
+    (r"H[12]00 NVL", {"bf16": 835, "fp16": 835, "tf32": 418, "fp32": 60}),
+    (r"H100|H200", {"bf16": 989, "fp16": 989, "tf32": 495, "fp32": 67}),  # SXM (and GH200)
+    (r"A100", {"bf16": 312, "fp16": 312, "tf32": 156, "fp32": 19.5}),
+    (r"V100", {"fp16": 125, "fp32": 15.7}),
+    (r"L40S", {"bf16": 362, "fp16": 362, "tf32": 183, "fp32": 91.6}),
+    (r"\bL4\b", {"bf16": 121, "fp16": 121, "tf32": 60, "fp32": 30.3}),
+    (r"\bA10\b", {"bf16": 125, "fp16": 125, "tf32": 62.5, "fp32": 31.2}),
+    (r"\bT4\b", {"fp16": 65, "fp32": 8.1}),
+]
+
+
+def peak_tflops(device_name: str, compute: str) -> Optional[float]:
+    """The table's peak for this GPU and compute type (bf16, fp16, tf32, fp32), or None if unknown."""
+    for pattern, peaks in GPU_PEAKS:
+        if re.search(pattern, device_name):
+            return peaks.get(compute)
+    return None
