@@ -347,7 +347,7 @@ def test_cuda_graphs_on_a_cpu_is_one_error_line_and_exit_code_2(tmp_path, capfd)
                     prog="transformer-train", capture=capfd)
     assert res.returncode == 2, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: trainer.cuda_graphs=true: needs a CUDA device, this run is on cpu; set "
+    assert errors == ["error: trainer.cuda_graphs=true: needs a CUDA device, this run is on cpu; set speed=eager or "
                       "trainer.cuda_graphs=false (trainer.static_shapes=true alone works everywhere)"], res.stderr
 
 

@@ -123,8 +123,9 @@ def test_bench_bad_input_is_one_line_exit_2(tmp_path):
 
 def test_bench_at_a_recipe_micro_batch_with_loader_workers(tmp_path):
     """The WMT14 recipe's own per-GPU data.max_tokens (synthetic batches of its size), batches collated by a
-    DataLoader worker as in training, eager steps: no pad-to-multiple waste."""
-    r = record(bench_in_process(tmp_path, "experiment=wmt14_base", *TINY, "data.max_tokens=3300",
+    DataLoader worker as in training, eager steps (speed=eager: the recipe's GPU preset has no CPU step): no
+    pad-to-multiple waste."""
+    r = record(bench_in_process(tmp_path, "experiment=wmt14_base", "speed=eager", *TINY, "data.max_tokens=3300",
                                 "data.num_workers=1", "bench.warmup=0", "bench.repeats=1", "bench.steps=1",
                                 "bench.profile=false"))
     assert r["max_tokens"] == 3300 and r["loader_workers"] == 1 and r["top_ops"] is None
