@@ -21,8 +21,8 @@ from transformer.cli import train as train_cli
 from transformer.data.copy import CopyData
 from transformer.model import Transformer
 from transformer.tasks import build_task
+from transformer.training.components import loss as loss_module  # the steps call its loss (forward_backward)
 from transformer.training.components.checkpoint import load_checkpoint
-from transformer.training.loop import step as step_module
 from transformer.training.loop.hotpath import LaggedFlag
 from transformer.training.loop.nonfinite import Diverged
 from transformer.training.loop.trainer import Trainer
@@ -30,13 +30,13 @@ from transformer.training.loop.trainer import Trainer
 
 def nan_from(t: Trainer, step: int, monkeypatch) -> None:
     """The loss of every step after `step` is NaN (so are its gradients)."""
-    real = step_module.label_smoothed_cross_entropy
+    real = loss_module.label_smoothed_cross_entropy
 
     def loss(*args, **kwargs):
         value, nll = real(*args, **kwargs)
         return (value * math.nan, nll) if t.step >= step else (value, nll)
 
-    monkeypatch.setattr(step_module, "label_smoothed_cross_entropy", loss)
+    monkeypatch.setattr(loss_module, "label_smoothed_cross_entropy", loss)
 
 
 def weights(t: Trainer) -> dict:
@@ -82,13 +82,13 @@ def test_nonfinite_steps_are_skipped_then_the_run_stops_with_one_line(tmp_path, 
 def test_a_finite_step_resets_the_count(tmp_path, monkeypatch):
     t = make_trainer(tmp_path, "trainer.max_steps=12", "trainer.max_epochs=null", "trainer.val_every=1000",
                      "trainer.nonfinite_skips=2")
-    real = step_module.label_smoothed_cross_entropy
+    real = loss_module.label_smoothed_cross_entropy
 
     def loss(*args, **kwargs):  # two NaN steps, one finite, two NaN, ...: never three in a row
         value, nll = real(*args, **kwargs)
         return (value * math.nan, nll) if t.step % 3 != 2 else (value, nll)
 
-    monkeypatch.setattr(step_module, "label_smoothed_cross_entropy", loss)
+    monkeypatch.setattr(loss_module, "label_smoothed_cross_entropy", loss)
     assert t.train() == 0 and all_finite(t.model.state_dict())
 
 
@@ -144,13 +144,13 @@ def _nan_on_one_rank(rank: int, port: int, run_dir: str):
         model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
         t = Trainer(cfg, env, wrap(model, cfg, env), data, build_task(cfg), Path(run_dir))
         if rank == 1:
-            real = step_module.label_smoothed_cross_entropy
+            real = loss_module.label_smoothed_cross_entropy
 
             def loss(*args, **kwargs):
                 value, nll = real(*args, **kwargs)
                 return (value * math.nan, nll) if t.step >= 2 else (value, nll)
 
-            step_module.label_smoothed_cross_entropy = loss
+            loss_module.label_smoothed_cross_entropy = loss
         code = t.train()
         digest = sum(float(v.double().sum()) for v in t.model.state_dict().values())
         Path(run_dir, f"rank{rank}.json").write_text(json.dumps({"code": code, "step": t.step, "weights": digest}))

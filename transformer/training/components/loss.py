@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer.config import LOSSES as IMPLEMENTATIONS  # trainer.loss
+from transformer.specials import PAD
 
 
 def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, epsilon: float, pad_id: int,
@@ -59,6 +60,21 @@ def label_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor, eps
     if impl == "compiled":
         return _CompiledLoss.apply(logits, target, epsilon, pad_id, inplace)
     return _FusedLoss.apply(logits, target, epsilon, pad_id, rows_per_chunk(logits), inplace)
+
+
+def forward_backward(net, autocast, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, packings,
+                     epsilon: float, impl: str, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's forward pass, label-smoothed loss and backward pass: the one copy both training steps run
+    (transformer/training/loop/step.py eagerly, transformer/training/speed/graphs.py inside a CUDA graph).
+
+    src (B, S), tgt_in and tgt_out (B, T), or a packed batch's (N_s,), (N_t,) with its `packings`; `autocast`:
+    the forward's context factory; `scale`: what backward runs on, the fp16 grad scaler's `scale` (the identity
+    where it is off). Returns the (loss, nll) sums, detached; the gradients are added into `.grad`."""
+    with autocast():
+        logits = net(src, tgt_in, packings=packings)  # (B, T, V), or (N_t, V) packed
+    loss, nll = label_smoothed_cross_entropy(logits, tgt_out, epsilon, PAD, impl=impl, inplace=True)
+    scale(loss).backward()
+    return loss.detach(), nll.detach()
 
 
 def choose(loss: str, device: torch.device, cuda_graphs: bool = False, compile: bool = False) -> str:

@@ -190,8 +190,23 @@ def _positive(values: List[float], dim: int) -> Union[bool, Tuple[bool, ...]]:
     return flags if dim else flags[0]
 
 
+class NoMarks:
+    """The step's phase marks when nothing times them (every run but `transformer-bench`'s): StepTimer's
+    `start()` and `mark(phase)`, doing nothing, so the step calls them unconditionally."""
+
+    def start(self) -> None:
+        pass
+
+    def mark(self, phase: str) -> None:
+        pass
+
+
+NO_MARKS = NoMarks()
+
+
 class StepTimer:
-    """Where a step's time goes, for `transformer-bench`: `start()` then `mark(phase)` at each phase's end.
+    """Where a step's time goes, for `transformer-bench`, which puts it in place of the step's `marks` (NoMarks):
+    the step calls `start()`, then `mark(phase)` at each phase's end.
     CUDA events on a GPU (recorded on the stream, read once by `summary()`, so timing adds no sync),
     perf_counter on the CPU, where kernels run synchronously. The host's own clock is read at every mark too
     (`host_summary()`): on a GPU, the time the host took to queue each phase, which, with the data wait, says

@@ -25,11 +25,11 @@ from transformer.training.components.ema import EMA
 from transformer.training.components.init_from import FREE_AT_INIT, override_value
 from transformer.training.components.optim import build_optimizer, fall_steps, load_optimizer_state
 from transformer.training.distributed.parallelize import Parallelized
-from transformer.training.loop.hotpath import LaggedFlag, LoopKeys, StepResult, StepTimer, TrainWindow, paused
+from transformer.training.loop.hotpath import LaggedFlag, LoopKeys, StepResult, TrainWindow, paused
 from transformer.training.loop.nonfinite import Diverged, NonfiniteGuard, check_weights, diverged_line
 from transformer.training.loop.quality import RunClock, TimeToQuality
 from transformer.training.loop.run_end import end_of_run
-from transformer.training.loop.step import TrainStep
+from transformer.training.loop.step import build_step
 from transformer.training.loop.validation import Validator, rng_untouched
 from transformer.training.reporting.logs import MetricsLogger, Progress, gpu_stats, note
 from transformer.training.speed import speedups
@@ -87,21 +87,14 @@ class Trainer:
                                    label_smoothing=self.tcfg.label_smoothing, patience=cfg.eval.patience,
                                    autocast=parallel.autocast, clock=self.clock, quality=self.quality)
         self.guard = NonfiniteGuard(self.tcfg, self.optimizer, self.scaler)  # trainer.nonfinite
-        # trainer.cuda_graphs: the step as CUDA graphs; on a CPU (tests only: parallelize refuses it) run eagerly
-        self.graphs = GraphStep(self.model, self.net, self.optimizer, self.autocast, self.tcfg, self.guard,
-                                env, capture=env.device.type == "cuda",
-                                loss=parallel.loss) if self.tcfg.cuda_graphs else None
-        self.stepper = TrainStep(parallel, self.optimizer, self.scheduler, self.guard, self.graphs, env,
-                                 self.tcfg, self.pad_multiple)  # one optimiser step (transformer/training/loop/step.py)
+        # one optimiser step, eager or CUDA-graphed (transformer/training/loop/step.py)
+        self.stepper = build_step(parallel, self.optimizer, self.scheduler, self.guard, env, self.tcfg,
+                                  self.pad_multiple, self.static_shapes)
 
     @property
-    def timer(self) -> Optional[StepTimer]:
-        """transformer-bench's phase timer, kept by the step."""
-        return self.stepper.timer
-
-    @timer.setter
-    def timer(self, timer: Optional[StepTimer]) -> None:
-        self.stepper.timer = timer
+    def graphs(self) -> Optional[GraphStep]:
+        """The CUDA graphs of the step under trainer.cuda_graphs (run eagerly on a CPU), else None."""
+        return self.stepper.graphs
 
     # ---- state -------------------------------------------------------------------------------------
     def state_dict(self) -> dict:

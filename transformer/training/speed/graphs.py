@@ -34,10 +34,15 @@ import torch
 from transformer.config import ConfigError
 from transformer.experimental.varlen import Packing
 from transformer.specials import PAD
-from transformer.training.components.loss import label_smoothed_cross_entropy
+from transformer.training.components.loss import forward_backward
 from transformer.training.components.optim import gradient_scale, scaled_gradients
 
 WARMUP = 3  # eager iterations on a side stream before a capture (torch's documented pattern)
+
+
+def _unscaled(loss: torch.Tensor) -> torch.Tensor:
+    """What backward runs on in a graph: the loss itself (no fp16 grad scaler: the update graph refuses one)."""
+    return loss
 
 
 def _layout(packings) -> Optional[tuple]:
@@ -126,13 +131,10 @@ class GraphStep:
         packings = None
         if layout is not None:  # the packings rebuilt around this call's (static) tensors
             packings = tuple(Packing(*packed[3 * i:3 * i + 3], *layout[i]) for i in range(2))
-        with self.autocast():
-            logits = self.net(src, tgt_in, packings=packings)  # (R, T, V), or (N_t, V) packed
-        loss, nll = label_smoothed_cross_entropy(logits, tgt_out, self.tcfg.label_smoothing, PAD,
-                                                 impl=self.loss, inplace=True)
-        loss.backward()
-        self.loss_sum += loss.detach()
-        self.nll_sum += nll.detach()
+        loss, nll = forward_backward(self.net, self.autocast, src, tgt_in, tgt_out, packings,
+                                     self.tcfg.label_smoothing, self.loss, _unscaled)  # (R, T) or (N_t,) targets
+        self.loss_sum += loss
+        self.nll_sum += nll
         self.tokens += (tgt_out != PAD).sum()
 
     def _capture_micro(self, tensors, layout):

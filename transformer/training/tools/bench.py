@@ -31,7 +31,7 @@ from transformer.config import ConfigError, validate
 from transformer.data.batch import PAD
 from transformer.experimental import packed, regional_compile
 from transformer.model.flops import real_flops, step_flops
-from transformer.training.loop.hotpath import LaggedFlag, StepTimer, TrainWindow
+from transformer.training.loop.hotpath import NO_MARKS, LaggedFlag, StepTimer, TrainWindow
 from transformer.training.reporting.logs import Progress, setup_logging
 from transformer.training.speed import speedups
 from transformer.training.tools.peak import cpu_peak_tflops, peak_tflops
@@ -199,7 +199,7 @@ def measure(trainer, b) -> dict:
     captured_warm = captured(trainer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    trainer.timer = timer = StepTimer(device)
+    trainer.stepper.marks = timer = StepTimer(device)  # the step's phase marks, timed
     windows = []  # (wall seconds, Totals) of each repeat
     flag = LaggedFlag()  # the trainer's: its waits are the host syncs of the stop flag
     for _ in range(b.repeats):
@@ -208,7 +208,7 @@ def measure(trainer, b) -> dict:
         run_steps(trainer, batches, steps, progress, totals, flag)
         _sync(device)
         windows.append((time.perf_counter() - t0, totals.tally()))
-    trainer.timer = None
+    trainer.stepper.marks = NO_MARKS
     progress.close()
     phases, host_phases = timer.summary(), timer.host_summary()
     graphs = speedups.compiled_graphs()
