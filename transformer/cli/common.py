@@ -31,6 +31,13 @@ def run_command(prog: str, fn: Callable[[], int]) -> int:
     except USER_ERRORS as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return exit_codes.USER_ERROR
+    except OSError as e:  # a full or read-only disk (e.g. under --backend ctranslate2's export): the machine's
+        from transformer.environment import describe, machine_error
+        machine = machine_error(e)
+        if machine is None:
+            raise
+        print(f"{prog}: error: {describe(machine, None)}", file=sys.stderr)
+        return exit_codes.ENVIRONMENT
     except KeyboardInterrupt:
         return 130
 
@@ -49,7 +56,13 @@ def add_decoding_args(parser: argparse.ArgumentParser) -> None:
                    help="longer sources are truncated, with a warning (default: the checkpoint's data.max_len, the "
                         "longest sentence training kept; outputs are also bounded by the model's max_positions)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default: cuda if available")
-    g.add_argument("--threads", type=int, help="CPU threads of torch (default: torch's choice)")
+    g.add_argument("--threads", type=int, help="CPU threads of torch, and of CTranslate2 under --backend "
+                   "ctranslate2 (default: the library's choice)")
+    g.add_argument("--backend", default="torch", choices=["torch", "ctranslate2"],
+                   help="decoder: torch (this project's search) or ctranslate2 (CTranslate2 on the CPU, from an "
+                        "export made once beside the checkpoint, CHECKPOINT.ct2/, and remade when the checkpoint "
+                        "is newer; greedy outputs equal torch's; needs `pip install ctranslate2`) "
+                        "(default: %(default)s)")
 
 
 def eval_config(args: argparse.Namespace, ckpt: dict) -> EvalConfig:
@@ -97,10 +110,11 @@ def max_source_tokens(args: argparse.Namespace, ckpt: dict, model) -> int:
 
 
 def translate_lines(prog: str, model, tokenizer, lines: Sequence[str], cfg: EvalConfig, device, max_source: int,
-                    name: str, first_line: int = 1) -> List[Optional[list]]:
+                    name: str, first_line: int = 1, decode: Optional[Callable] = None) -> List[Optional[list]]:
     """The n-best lists of `lines` (as transformer/data/textfile.py reads them), None for a blank line: the model
     never sees one, and translate and evaluate both answer it with an empty line. Sources longer than
-    `max_source` tokens are truncated, with a warning naming the line (`first_line` numbers lines[0])."""
+    `max_source` tokens are truncated, with a warning naming the line (`first_line` numbers lines[0]). `decode`:
+    called as translate_ids is (transformer/interop/backend.py's for --backend ctranslate2), by default that."""
     from transformer.data.tokenizer import encode_sources
     from transformer.decoding import translate_ids
 
@@ -112,6 +126,7 @@ def translate_lines(prog: str, model, tokenizer, lines: Sequence[str], cfg: Eval
                   f"{max_source} (--max-source-tokens)", file=sys.stderr)
             ids[k] = ids[k][:max_source]
     out: List[Optional[list]] = [None] * len(lines)
-    for i, nbest in zip(keep, translate_ids(model, tokenizer, ids, cfg, device), strict=True):
+    decode = decode or translate_ids
+    for i, nbest in zip(keep, decode(model, tokenizer, ids, cfg, device), strict=True):
         out[i] = nbest
     return out

@@ -11,6 +11,7 @@ hypotheses (line k for source line k) and OUT_DIR/NAME.json the scores with sacr
 OUT_DIR defaults to RUN/eval/ for a checkpoint under RUN/checkpoints/. Text is read and translated as
 transformer-translate reads and translates it (transformer/data/textfile.py; a blank source line gets an
 empty hypothesis, scored as it is), so the scores are those of `transformer-translate --input SRC | sacrebleu REF`.
+`--backend ctranslate2` decodes with CTranslate2 instead (transformer/interop/backend.py, docs/interop.md).
 """
 import argparse
 import json
@@ -29,6 +30,7 @@ from transformer.cli.common import (
     run_command,
     translate_lines,
 )
+from transformer.interop.backend import decoder_for, require_ctranslate2
 from transformer.training.components.checkpoint import load_model
 
 PROG = "transformer-evaluate"
@@ -121,11 +123,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("give --split NAME (repeatable) or --src FILE --ref FILE")
     # --src/--ref are read before the checkpoint is loaded: a bad file fails fast (and a pipe is drained once)
     splits = load_splits(args, None) if args.src or args.ref else None
-    device = pick_device(args.device, args.threads)
+    if args.backend == "ctranslate2":
+        require_ctranslate2()  # before the checkpoint is loaded: a missing library fails fast
+    device = pick_device("cpu" if args.backend == "ctranslate2" else args.device, args.threads)
     model, tokenizer, ckpt = load_model(args.checkpoint, device)
     cfg = eval_config(args, ckpt)
     cfg.nbest = 1
     max_source = max_source_tokens(args, ckpt, model)
+    decode = decoder_for(args.backend, args.checkpoint, model, tokenizer, args.threads)
     splits = splits or load_splits(args, ckpt)
     out_dir = Path(args.out_dir) if args.out_dir else default_out_dir(Path(args.checkpoint))
     try:
@@ -135,14 +140,14 @@ def run(args: argparse.Namespace) -> int:
     for name, srcs, refs in splits:
         start = time.perf_counter()
         # The same path as transformer-translate's: a blank source line gets an empty hypothesis, still scored
-        nbests = translate_lines(PROG, model, tokenizer, srcs, cfg, device, max_source, name)
+        nbests = translate_lines(PROG, model, tokenizer, srcs, cfg, device, max_source, name, decode=decode)
         hyps = [n[0].text if n is not None else "" for n in nbests]
         seconds = time.perf_counter() - start
         result = {"split": name, "checkpoint": str(Path(args.checkpoint).resolve()),
                   "step": (ckpt.get("trainer") or {}).get("step"), "sentences": len(srcs),
                   **score(hyps, refs), "beam": cfg.beam, "lenpen": cfg.lenpen, "max_len_a": cfg.max_len_a,
-                  "max_len_b": cfg.max_len_b, "device": str(device), "seconds": round(seconds, 3),
-                  "sentences_per_s": round(len(srcs) / max(seconds, 1e-9), 2)}
+                  "max_len_b": cfg.max_len_b, "backend": args.backend, "device": str(device),
+                  "seconds": round(seconds, 3), "sentences_per_s": round(len(srcs) / max(seconds, 1e-9), 2)}
         write_text_atomic(out_dir / f"{name}.hyp", "".join(h + "\n" for h in hyps))
         write_text_atomic(out_dir / f"{name}.json", json.dumps(result, indent=2, ensure_ascii=False) + "\n")
         print(f"{name}: {result['bleu_str']}  ({result['bleu_signature']})")

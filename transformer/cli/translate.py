@@ -7,6 +7,7 @@ Lines are read in chunks (`--buffer-size`) by the rules of transformer/data/text
 readable path: a pipe, /dev/stdin, `<(zcat test.de.gz)`), each chunk is batched by length and written back in
 input order; a blank line stays blank. At a terminal (or with `--interactive`) every line is translated as soon
 as it is typed. The checkpoint alone is enough: it carries the architecture, the weights and the tokenizer.
+`--backend ctranslate2` decodes with CTranslate2 instead (transformer/interop/backend.py, docs/interop.md).
 """
 import argparse
 import sys
@@ -26,6 +27,7 @@ from transformer.cli.common import (
 )
 from transformer.config import EvalConfig
 from transformer.data.textfile import Source, check_readable, iter_lines
+from transformer.interop.backend import decoder_for, require_ctranslate2
 from transformer.training.components.checkpoint import load_model
 
 PROG = "transformer-translate"
@@ -53,12 +55,13 @@ def format_output(hyps, index: int, nbest: int) -> List[str]:
 
 
 def translate_stream(model, tokenizer, cfg: EvalConfig, device, src: Source, out: TextIO,
-                     buffer_size: int, max_source_tokens: int, src_name: str = "<stdin>") -> int:
+                     buffer_size: int, max_source_tokens: int, src_name: str = "<stdin>", decode=None) -> int:
     """Translates `src` (a path or a binary stream) to `out` chunk by chunk, flushing after each; returns the
-    number of lines."""
+    number of lines. `decode`: as translate_lines takes it (None: the torch decoder)."""
     done = 0
     for chunk in read_chunks(src, buffer_size, src_name):
-        nbests = translate_lines(PROG, model, tokenizer, chunk, cfg, device, max_source_tokens, src_name, done + 1)
+        nbests = translate_lines(PROG, model, tokenizer, chunk, cfg, device, max_source_tokens, src_name, done + 1,
+                                 decode)
         for i, nbest in enumerate(nbests):
             if nbest is not None:
                 out.write("\n".join(format_output(nbest, done + i, cfg.nbest)) + "\n")
@@ -104,10 +107,13 @@ def run(args: argparse.Namespace) -> int:
             check_readable(args.input, f"--input {args.input}")
         except ValueError as e:
             raise UsageError(str(e)) from None
-    device = pick_device(args.device, args.threads)
+    if args.backend == "ctranslate2":
+        require_ctranslate2()  # before the checkpoint is loaded: a missing library fails fast
+    device = pick_device("cpu" if args.backend == "ctranslate2" else args.device, args.threads)
     model, tokenizer, ckpt = load_model(args.checkpoint, device)
     cfg = eval_config(args, ckpt)
     max_source = max_source_tokens(args, ckpt, model)
+    decode = decoder_for(args.backend, args.checkpoint, model, tokenizer, args.threads)
     if hasattr(sys.stdout, "reconfigure"):
         sys.stdout.reconfigure(encoding="utf-8")
     src = args.input or sys.stdin.buffer
@@ -117,11 +123,11 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     if args.output:
         with output_file(Path(args.output)) as out:
-            n = translate_stream(model, tokenizer, cfg, device, src, out, buffer_size, max_source, name)
+            n = translate_stream(model, tokenizer, cfg, device, src, out, buffer_size, max_source, name, decode)
         seconds = time.perf_counter() - start
         print(f"{PROG}: {n} sentences in {seconds:.1f}s -> {args.output}", file=sys.stderr)
     else:
-        translate_stream(model, tokenizer, cfg, device, src, sys.stdout, buffer_size, max_source, name)
+        translate_stream(model, tokenizer, cfg, device, src, sys.stdout, buffer_size, max_source, name, decode)
     return 0
 
 
