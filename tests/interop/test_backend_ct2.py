@@ -7,9 +7,9 @@ import os
 import sys
 
 import pytest
-from helpers.export import PAIRS, SRC, checkpoint, tokenizer, trained_model
-from helpers.models import one_thread  # noqa: F401  (autouse)
 
+from tests.helpers.export import PAIRS, SRC, checkpoint, tokenizer, trained_model
+from tests.helpers.models import one_thread  # noqa: F401  (autouse)
 from transformer.cli import evaluate as evaluate_cli
 from transformer.cli import translate as translate_cli
 from transformer.training.components.checkpoint import atomic_save
@@ -115,3 +115,23 @@ def test_a_folder_that_cannot_take_the_export_is_one_line(ckpt, capsys, monkeypa
     assert code == exit_code and out == ""
     assert err.count("\n") == 1 and "error:" in err and "m.pt.ct2" in err, err
     assert not (ckpt.parent / "m.pt.ct2").exists()
+
+
+def test_two_commands_exporting_at_once_both_decode(ckpt, capsys, monkeypatch):
+    """A second translate that finds the export renamed in by another while it exported takes that one: the same
+    output, one cache folder, nothing of its own left beside it."""
+    from transformer.interop import ct2
+
+    real = ct2.export_ct2
+
+    def racing(model, tokenizer, folder, *args, **kwargs):
+        real(model, tokenizer, folder, *args, **kwargs)
+        real(model, tokenizer, ckpt.parent / "other", *args, **kwargs)  # the other command's export...
+        os.replace(ckpt.parent / "other", ckpt.parent / "m.pt.ct2")  # ...renamed in first
+
+    code, expected, _ = translate(ckpt, capsys)
+    monkeypatch.setattr(ct2, "export_ct2", racing)
+    code, out, err = translate(ckpt, capsys, "--backend", "ctranslate2")
+    assert code == 0, err
+    assert out == expected
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["in.txt", "m.pt", "m.pt.ct2"]

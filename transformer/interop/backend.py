@@ -59,8 +59,12 @@ def ensure_export(checkpoint, model, tokenizer) -> Path:
         if cache.exists():  # an older export: moved aside, then the new one renamed in
             old = temp_dir_beside(cache)
             os.replace(cache, old)
-        os.replace(tmp, cache)
-        tmp = None
+        try:
+            os.replace(tmp, cache)
+            tmp = None
+        except OSError as e:  # another command exported the same checkpoint meanwhile: its folder serves
+            if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not _is_fresh(cache, checkpoint):
+                raise
         fsync_dir(cache.absolute().parent)
     except OSError as e:
         if e.errno in _DENIED:
