@@ -8,10 +8,16 @@ at the run's batch size in both precisions, alternately, and the faster one is c
 and the two times.
 """
 import copy
+import json
+import platform
 import time
+from pathlib import Path
 from typing import Optional, Tuple
 
 import torch
+
+from transformer.atomic import write_text_atomic
+from transformer.data.download import default_root
 
 
 def layer_step_ms(layer: torch.nn.Module, x: torch.Tensor, mask: Optional[torch.Tensor],
@@ -45,11 +51,56 @@ def probe(model: torch.nn.Module, tokens: int, rounds: int = 3, length: int = 32
     return best[None], best[torch.bfloat16]
 
 
-def choose(model: torch.nn.Module, tokens: int) -> Tuple[Optional[torch.dtype], str]:
+# bf16 only where it is clearly faster: its rounding is not worth a few percent, and a close race would let the
+# load of the moment decide (two runs of one command training in different precisions).
+BF16_MARGIN = 1.2
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), which keys the remembered probe results."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def choose(model: torch.nn.Module, tokens: int, cache: Optional[Path] = None) -> Tuple[Optional[torch.dtype], str]:
     """The autocast dtype for trainer.precision=auto on this CPU (bf16, or None for fp32) and the start line's
-    reason. Call only where the CPU has bf16 units (speedups.native_bf16_cpu)."""
-    fp32_ms, bf16_ms = probe(model, tokens)
-    faster = bf16_ms < fp32_ms
+    reason. Call only where the CPU has bf16 units (speedups.native_bf16_cpu).
+
+    The answer is remembered in `cache` (default: the user's cache folder, cpu_precision.json), by CPU model,
+    torch version, layer shape and batch size: where the two precisions are close, a probe's answer can flip
+    between runs with the machine's load, and a rerun of the same seeded command (or a comparison of an
+    interrupted run with an uninterrupted one) must train in the same precision."""
+    args = model.args
+    key = (f"{cpu_name()} | torch {torch.__version__} | d_model {args.d_model} d_ff {args.d_ff} h {args.h} | "
+           f"{tokens} tokens")
+    path = cache if cache is not None else default_root() / "cpu_precision.json"
+    known = _read(path)
+    if key in known:
+        fp32_ms, bf16_ms = known[key]
+        when = f"measured earlier on this CPU, remembered in {path}"
+    else:
+        fp32_ms, bf16_ms = probe(model, tokens)
+        when = "on this CPU"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(path, json.dumps({**known, key: [fp32_ms, bf16_ms]}, indent=1) + "\n")
+        except OSError:  # an unwritable cache only costs the next run a probe
+            pass
+    faster = bf16_ms * BF16_MARGIN < fp32_ms
     why = (f"trainer.precision=auto: {'bf16' if faster else 'fp32'} (an encoder layer's forward+backward on "
-           f"{tokens} tokens took {bf16_ms:.1f} ms in bf16, {fp32_ms:.1f} ms in fp32 on this CPU)")
+           f"{tokens} tokens took {bf16_ms:.1f} ms in bf16, {fp32_ms:.1f} ms in fp32, {when})")
     return (torch.bfloat16 if faster else None), why
+
+
+def _read(path: Path) -> dict:
+    try:
+        known = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none yet, or unreadable: probe again
+        return {}
+    return known if isinstance(known, dict) else {}
