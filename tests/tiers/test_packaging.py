@@ -44,6 +44,8 @@ def test_commit_recorded_by_a_build_else_git_else_unknown(tmp_path):
     package = tmp_path / "transformer"
     package.mkdir()
     assert transformer.commit(package) == "unknown"  # no record, no git
+    (tmp_path / ".git").mkdir()  # looks like a clone, but git cannot read it
+    assert transformer.commit(package) == "unknown"
     (package / "_commit.txt").write_text("abc1234\n")
     assert transformer.commit(package) == "abc1234"
     if shutil.which("git") and (REPO / ".git").exists():
