@@ -14,16 +14,15 @@ from transformer.dist import DistEnv
 from transformer.experimental import fp8, regional_compile
 from transformer.training.components.loss import choose as choose_loss
 from transformer.training.reporting.logs import note, warn
-from transformer.training.speed import cpu_precision, speedups
+from transformer.training.speed import speedups
 from transformer.training.speed.graphs import check_cuda_graphs
 
 
 def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype]:
     """The autocast dtype of the forward pass, or None for fp32. auto means bf16 where the device multiplies
-    bf16 in hardware (on a CPU, `parallelize` then measures whether it is faster: `auto_on_cpu`) and fp32
-    elsewhere: on a CPU, oneDNN runs bf16 products on AMX or AVX512-BF16 units
-    but emulates them elsewhere, far more slowly than fp32 (docs/benchmarks/cpu.md). fp16 has no fast CPU
-    kernels and stays fp32 there."""
+    bf16 in hardware and fp32 elsewhere: on a CPU, oneDNN runs bf16 products on AMX or AVX512-BF16 units but
+    emulates them elsewhere, far more slowly than fp32 (docs/benchmarks/cpu.md). fp16 has no fast CPU kernels and
+    stays fp32 there. A rule, not a timing: two runs of one command must train in the same precision."""
     if precision == "fp32" or device.type not in ("cpu", "cuda"):
         return None
     if precision == "auto":
@@ -31,14 +30,6 @@ def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype
     if device.type == "cpu":
         return torch.bfloat16 if precision == "bf16" else None
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[precision]  # fp8: float8 Linears
-
-
-def auto_on_cpu(model: torch.nn.Module, tokens: int, env: DistEnv) -> Optional[torch.dtype]:
-    """trainer.precision=auto on a CPU with bf16 units: bf16 only where a short probe of one of the model's
-    layers finds it faster than fp32 (transformer/training/speed/cpu_precision.py), rank 0's choice on every rank."""
-    dtype, why = env.broadcast_object(cpu_precision.choose(model, tokens) if env.is_main else None)
-    note(why)
-    return dtype
 
 
 @dataclass
@@ -100,8 +91,9 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
     check_cuda_graphs(tcfg, env.device)  # before anything moves to the device
     model = model.to(env.device)
     amp_dtype = autocast_dtype(tcfg.precision, env.device)
-    # auto_on_cpu (a timing probe) is not wired in: its answer differed between separately started runs of one
-    # command on a loaded machine (two exact-resume tests of the distributed tier), so auto stays the hardware rule
+    if tcfg.precision == "auto" and env.device.type == "cpu":
+        note(f"trainer.precision=auto: {'bf16' if amp_dtype else 'fp32'} (this CPU "
+             f"{'multiplies' if amp_dtype else 'has no units that multiply'} bf16 in hardware: AMX or AVX512-BF16)")
     slow_bf16 = speedups.emulated_bf16(env.device) if amp_dtype == torch.bfloat16 else None
     if slow_bf16:
         warn(slow_bf16)

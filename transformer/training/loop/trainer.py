@@ -31,7 +31,7 @@ from transformer.training.loop.quality import RunClock, TimeToQuality
 from transformer.training.loop.run_end import end_of_run
 from transformer.training.loop.step import build_step
 from transformer.training.loop.validation import Validator, rng_untouched
-from transformer.training.reporting.logs import MetricsLogger, Progress, gpu_stats, note
+from transformer.training.reporting.logs import MetricsLogger, Progress, gpu_stats
 from transformer.training.speed import speedups
 from transformer.training.speed.graphs import GraphStep
 
@@ -135,7 +135,6 @@ class Trainer:
         self.step, self.epoch, self.batch_index = t["step"], t["epoch"], t["batch_index"]
         self.validator.best, self.validator.bad_validations = t["best"], t["bad_validations"]
         self.micro_batch = t.get("micro_batch")  # applied by microbatch.fit_micro_batch
-        self._keep_autocast(t.get("amp_dtype"), path)
         if self.ema is not None:
             if "ema" not in ckpt:
                 raise CheckpointError(f"{path} holds no weight average but trainer.ema_decay={self.tcfg.ema_decay}: "
@@ -319,17 +318,6 @@ class Trainer:
 
     def _patience_over(self) -> bool:
         return self.validator.patience_over()
-
-    def _keep_autocast(self, saved: Optional[str], path: str) -> None:
-        """trainer.precision=auto on a CPU is chosen by a timing probe (speed/cpu_precision.py), which a resume on
-        the same machine could answer the other way: a resumed run keeps the dtype its checkpoint was trained in."""
-        if self.tcfg.precision != "auto" or self.env.device.type != "cpu" or saved is None:
-            return
-        dtype = {"bfloat16": torch.bfloat16, "None": None}.get(saved, self.amp_dtype)
-        if dtype != self.amp_dtype:
-            note(f"trainer.precision=auto: {saved if dtype is not None else 'fp32'}, as {path} was trained "
-                 "(a resumed run keeps its checkpoint's precision)")
-            self.amp_dtype = self.parallel.amp_dtype = dtype
 
     def autocast(self):
         """The forward pass's autocast context (trainer.precision), the same for training and validation."""
