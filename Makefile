@@ -7,6 +7,9 @@ PYTEST := $(BIN)/python -m pytest
 # their end-to-end tests wait on process starts and subprocesses, which a second worker fills. 1 = serial.
 TEST_WORKERS ?= 2
 XDIST := $(if $(filter-out 0 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist worksteal,)
+# Test runs write bytecode even where the environment says not to (PYTHONDONTWRITEBYTECODE=1 on some CI machines):
+# without it every pytest worker rewrites every test module and every CLI subprocess compiles the package anew.
+unexport PYTHONDONTWRITEBYTECODE
 # CPU machines pin the CPU build of torch so pip never pulls a multi-GB CUDA build.
 CONSTRAINTS ?= constraints-cpu.txt
 
@@ -17,6 +20,8 @@ CONSTRAINTS ?= constraints-cpu.txt
 # (with the test extra: pytest, linters, the trackers and export libraries the tests use; for `make test` and
 # the other tiers). Either order works: installing the test extra stamps .runtime too, and `make test` after
 # `make train` adds only the test extra.
+# --no-compile: pip would byte-compile every file of every package (torch's thousands: about 50 s of a 90-s
+# install on 2 cores); Python compiles what is imported, once, on first use (PYTHONDONTWRITEBYTECODE is unexported).
 install: $(VENV)/.installed
 
 $(BIN)/python:
@@ -24,11 +29,11 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 $(VENV)/.runtime: setup.cfg setup.py pyproject.toml $(CONSTRAINTS) | $(BIN)/python
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e .
+	$(BIN)/python -m pip install -q --no-compile -c $(CONSTRAINTS) -e .
 	touch $@
 
 $(VENV)/.installed: setup.cfg setup.py pyproject.toml $(CONSTRAINTS) | $(BIN)/python
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[test]'
+	$(BIN)/python -m pip install -q --no-compile -c $(CONSTRAINTS) -e '.[test]'
 	touch $(VENV)/.runtime $@
 
 train: $(VENV)/.runtime  ## the copy task end to end on this machine (about 1.5 minutes of training on 2 CPU cores)

@@ -189,25 +189,37 @@ def hold(run: Path, record: bool) -> subprocess.Popen:
     return proc
 
 
-@pytest.mark.parametrize("record", [True, False], ids=["record_written", "still_starting"])
-def test_second_run_on_a_live_directory_is_refused_and_writes_nothing(tmp_path, record):
+def test_second_run_on_a_live_directory_is_refused_and_writes_nothing(tmp_path):
+    """Refused whether the live run has written its record or is still starting (locked, no record yet: the
+    refused run asks /proc/locks); once the holder dies uncleanly the same command resumes. The runs go in this
+    process (transformer-train's main(), exit code and output as a process's; the lock is another process's)."""
+    from tests.helpers.inprocess import call_main
+    from transformer.cli import train as train_cli
+
     run = tmp_path / "run"
-    train(run, "trainer.max_steps=2", cwd=tmp_path)
+
+    def run_train(steps: int) -> subprocess.CompletedProcess:
+        return call_main(train_cli.main, [*TINY, f"hydra.run.dir={run}", f"trainer.max_steps={steps}"], tmp_path,
+                         prog="transformer-train")
+
+    assert run_train(2).returncode == 0
     stale = {"pid": 999999999, "host": socket.gethostname(), "started": "x"}  # a dead process's record
-    (run / "run.lock").write_text(json.dumps(stale))
-    holder = hold(run, record)
-    try:
-        before = tree(tmp_path)
-        res = train(run, "trainer.max_steps=4", cwd=tmp_path, expect=exit_codes.USER_ERROR)
-        line = one_error_line(res.stderr)
-        assert f"hydra.run.dir={run}: another run is using this run directory (pid {holder.pid} on host" in line
-        assert tree(tmp_path) == before
-    finally:
-        holder.kill()
-        holder.wait()
+    for record in (True, False):
+        (run / "run.lock").write_text(json.dumps(stale))
+        holder = hold(run, record)
+        try:
+            before = tree(tmp_path)
+            res = run_train(4)
+            assert res.returncode == exit_codes.USER_ERROR, res.stderr[-3000:]
+            line = one_error_line(res.stderr)
+            assert f"hydra.run.dir={run}: another run is using this run directory (pid {holder.pid} on host" in line
+            assert tree(tmp_path) == before
+        finally:
+            holder.kill()
+            holder.wait()
     # The holder died without cleaning up (SIGKILL): the same command now resumes.
-    res = train(run, "trainer.max_steps=4", cwd=tmp_path)
-    assert "resumed from" in res.stderr and last_ckpt(run)["trainer"]["step"] == 4
+    res = run_train(4)
+    assert res.returncode == 0 and "resumed from" in res.stderr and last_ckpt(run)["trainer"]["step"] == 4
     assert '"pid": ' in (run / "run.lock").read_text()
 
 

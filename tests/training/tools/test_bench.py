@@ -688,6 +688,7 @@ def test_bench_gpu_summary_gives_each_gpu_run_its_kernel_time_launches_and_famil
         "(1 / 3)" in md
 
 
+@pytest.mark.slow  # seven shrunk bench runs and a loss benchmark: about 50 s on 2 cores
 def test_bench_gpu_dry_run_on_cpu_writes_records_and_a_summary(tmp_path, tmp_path_factory, monkeypatch, capsys):
     """`bench_gpu.py --dry-run`: the GPU script's plumbing on a CPU, everything shrunk: one JSON record per run,
     the header (device, date, torch, commit), a Markdown table with a row per run and the top operators; a
