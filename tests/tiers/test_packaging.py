@@ -147,7 +147,7 @@ def test_make_train_installs_the_runtime_only_and_make_test_adds_the_test_extra(
     (venv / ".installed").touch()  # then `make test`: it stamps both
     assert "pip install" not in make_dry("train", venv) + make_dry("test", venv)
     (venv / ".runtime").unlink()  # a venv the previous Makefile made: .installed only
-    assert "pip install -q -c constraints-cpu.txt -e .\n" in make_dry("train", venv)
+    assert "pip install -q --no-compile -c constraints-cpu.txt -e .\n" in make_dry("train", venv)
 
 
 def test_wheel_tier_script_parses_and_helps():
