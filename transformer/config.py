@@ -162,6 +162,9 @@ class EvalConfig:
     max_len_a: float = 1.2  # hypotheses stop at a * source length + b tokens
     max_len_b: int = 10  # see max_len_a
     nbest: int = 1  # hypotheses printed per sentence by transformer-translate (Moses n-best format when > 1)
+    # Validation BLEU's decoder: "ctranslate2" exports the weights at each validation to a temporary folder and
+    # decodes with CTranslate2 on the CPU (pip install ctranslate2); translate/evaluate take --backend instead.
+    backend: str = "torch"
     batch_tokens: int = 8000  # source tokens per decoding batch
     bleu: bool = True  # validation BLEU at every validation (translation data only)
     bleu_sentences: Optional[int] = None  # validate BLEU on the first N val pairs; None = all
@@ -379,6 +382,9 @@ def check_eval(e, key: str = "eval") -> None:
     _check(1 <= e.nbest <= e.beam, f"{key}.nbest", e.nbest, f"must be between 1 and {key}.beam={e.beam}")
     _check(e.valid_beam is None or e.valid_beam >= 1, f"{key}.valid_beam", e.valid_beam, "must be >= 1 or null")
     _check(e.batch_tokens >= 1, f"{key}.batch_tokens", e.batch_tokens, "must be >= 1")
+    _check(e.backend in ("torch", "ctranslate2"), f"{key}.backend", e.backend, "must be torch or ctranslate2")
+    _check(e.backend != "ctranslate2" or importlib.util.find_spec("ctranslate2") is not None, f"{key}.backend",
+           e.backend, "needs the ctranslate2 library: pip install ctranslate2")
     _check(e.max_len_a >= 0 and e.max_len_b >= 0, f"{key}.max_len_a/max_len_b", (e.max_len_a, e.max_len_b),
            "must be >= 0")
     tune = list(e.tune_lenpen)

@@ -4,9 +4,11 @@ own search (transformer/decoding/search.py): the same output limit a * source le
 counted, at most the model's positions), beam size, length penalty and n-best, <pad> and <s> never output.
 Greedy outputs are token-identical to the torch decoder's; beam outputs agree as docs/interop.md describes.
 """
+import contextlib
 import errno
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -133,3 +135,17 @@ def decoder_for(backend: str, checkpoint, model, tokenizer, threads: Optional[in
         return None
     require_ctranslate2()
     return Ct2Decoder(ensure_export(checkpoint, model, tokenizer), tokenizer, model.args.max_positions, threads)
+
+
+@contextlib.contextmanager
+def exported_decoder(model, tokenizer, threads: Optional[int] = None):
+    """A Ct2Decoder over `model`'s weights as they are now, exported to a temporary folder that is removed after:
+    validation's eval.backend=ctranslate2, whose weights change between validations (and may be the EMA's)."""
+    from transformer.interop.ct2 import export_ct2
+
+    require_ctranslate2()
+    tmp = Path(tempfile.mkdtemp(prefix="transformer-ct2-"))
+    try:
+        yield Ct2Decoder(export_ct2(model, tokenizer, tmp / "model"), tokenizer, model.args.max_positions, threads)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -46,8 +46,9 @@ def _vocabularies(tokenizer, args):
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A float32 copy: CTranslate2's quantisation scales its arrays in place, which must not reach the model."""
-    return t.detach().to(torch.float32, copy=True).contiguous()
+    """A float32 copy on the CPU: CTranslate2's quantisation scales its arrays in place, which must not reach the
+    model (whose weights may be on a GPU: validation's eval.backend=ctranslate2)."""
+    return t.detach().to("cpu", torch.float32, copy=True).contiguous()
 
 
 def _linear(spec, *layers) -> None:

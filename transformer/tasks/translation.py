@@ -12,6 +12,20 @@ def as_eval_config(ev) -> EvalConfig:
     return ev if isinstance(ev, EvalConfig) else eval_from_dict(to_container(ev))
 
 
+def decode(model, tokenizer, sentences: List[str], ev, device) -> list:
+    """The sentences' n-best lists by eval.backend: the torch decoder, or CTranslate2 on the CPU over the weights
+    exported now (a rank's own temporary folder)."""
+    if getattr(ev, "backend", "torch") == "torch":
+        return translate_sentences(model, tokenizer, sentences, ev, device)
+    import torch
+
+    from transformer.data.tokenizer import encode_sources
+    from transformer.interop.backend import exported_decoder
+
+    with exported_decoder(model, tokenizer, torch.get_num_threads()) as ct2_decode:
+        return ct2_decode(model, tokenizer, encode_sources(tokenizer, sentences), ev)
+
+
 def valid_bleu(model, data, env, ev) -> Dict[str, float]:
     """Corpus BLEU and chrF of the model's translations of the validation sources `data.valid_srcs` (the
     first `ev.bleu_sentences` if set) against `data.valid_refs`.
@@ -25,7 +39,7 @@ def valid_bleu(model, data, env, ev) -> Dict[str, float]:
     srcs, refs = list(data.valid_srcs), list(data.valid_refs)
     n = len(srcs) if ev.bleu_sentences is None else min(len(srcs), int(ev.bleu_sentences))
     mine = list(range(env.rank, n, env.world_size))
-    hyps = translate_sentences(model, data.tokenizer, [srcs[i] for i in mine], ev, env.device)
+    hyps = decode(model, data.tokenizer, [srcs[i] for i in mine], ev, env.device)
     gathered = env.gather_objects([(i, h[0].text) for i, h in zip(mine, hyps, strict=False)])
     result = None
     if env.is_main:
