@@ -19,6 +19,10 @@ from transformer.training.tools.peak import peak_tflops
 TINY = ("model=tiny", "model.N=1", "bench.synthetic=true", "bench.sentences=400", "bench.vocab_size=500",
         "bench.max_len=40", "data.max_tokens=600", "bench.warmup=1", "bench.steps=3", "bench.repeats=2",
         "bench.profile_steps=1", "trainer.progress=false")
+# The compiled runs' model in fp32: their claims are about graphs, and under bf16 autocast on a CPU AOTAutograd's
+# cache bypasses the attention's fp32 region (docs/benchmarks/2026-12-02-cpu-bf16.md), so every such run would
+# compile its joint graph anew where fp32 runs find the ones before them in inductor's cache.
+COMPILED = ("model.d_model=32", "model.d_ff=64", "model.h=2", "trainer.compile=true", "trainer.precision=fp32")
 
 
 def bench(cwd: Path, *overrides: str, expect: int = 0) -> subprocess.CompletedProcess:
@@ -315,7 +319,7 @@ def test_bench_compiled_model_uses_one_graph_for_all_batch_shapes(tmp_path, mult
     """torch.compile with batch size and lengths marked dynamic, lengths as they come (the default) or rounded
     up to a multiple of 8: batches of many shapes run through one graph, none compiled in the timed steps."""
     pad = [f"trainer.pad_to_multiple={multiple}"] if multiple else []
-    r = record(bench(tmp_path, *TINY, "model.d_model=32", "model.d_ff=64", "model.h=2", "trainer.compile=true",
+    r = record(bench(tmp_path, *TINY, *COMPILED,
                      "bench.warmup=3", "bench.steps=4", *pad))
     assert r["compile"] is True and r["pad_to_multiple"] == (multiple or 1) and r["shapes"] >= 4
     assert r["graphs"] == 1 and r["graphs_during_timed"] == 0
@@ -326,7 +330,7 @@ def test_bench_compiled_model_uses_one_graph_for_all_batch_shapes(tmp_path, mult
 def test_bench_compiled_model_uses_one_graph_for_all_static_shapes(tmp_path):
     """trainer.static_shapes under torch.compile (as with CUDA graphs): the ladder's shapes run through one
     compiled graph from the start (unmarked, the second shape compiled the model a second time)."""
-    r = record(bench(tmp_path, *TINY, "model.d_model=32", "model.d_ff=64", "model.h=2", "trainer.compile=true",
+    r = record(bench(tmp_path, *TINY, *COMPILED,
                      "trainer.static_shapes=true", "bench.warmup=4", "bench.steps=4"))
     assert r["static_shapes"] is True and r["shapes"] >= 4  # several static shapes were run
     assert r["graphs"] == 1 and r["graphs_during_timed"] == 0
@@ -337,7 +341,7 @@ def test_bench_compiled_unpadded_model_stops_recompiling_after_warm_up(tmp_path)
     """torch.compile with unpadded attention: the packings' token and sentence counts vary too, as do the padded
     lengths; no branch on those sizes, so after at most one recompilation (the sizes made dynamic) no batch
     compiles a graph. Before the fix: a recompilation every few steps."""
-    r = record(bench(tmp_path, *TINY, "model.d_model=32", "model.d_ff=64", "model.h=2", "trainer.compile=true",
+    r = record(bench(tmp_path, *TINY, *COMPILED,
                      "trainer.unpadded_attention=true", "model.dropout=0.0", "bench.warmup=4", "bench.steps=4"))
     assert r["compile"] is True and r["graphs"] <= 2 and r["graphs_during_timed"] == 0
 
@@ -348,9 +352,8 @@ def test_bench_compiled_unpadded_model_stops_recompiling_after_warm_up(tmp_path)
 def test_bench_layer_compiled_model_uses_two_graphs_for_every_layer_and_shape(tmp_path, extra):
     """trainer.compile_scope=layers: an encoder layer's graph and a decoder layer's, whatever N (2 here) and the
     batch shapes, padded as they come or packed to token budgets; none compiled in the timed steps."""
-    r = record(bench(tmp_path, *TINY, "model.N=2", "model.d_model=32", "model.d_ff=64", "model.h=2",
-                     "trainer.compile=true", "trainer.compile_scope=layers", "bench.warmup=3", "bench.steps=4",
-                     *extra))
+    r = record(bench(tmp_path, *TINY, "model.N=2", *COMPILED, "trainer.compile_scope=layers", "bench.warmup=3",
+                     "bench.steps=4", *extra))
     assert r["compile_scope"] == "layers" and r["shapes"] >= 3
     assert r["graphs"] == 2 and r["graphs_during_timed"] == 0
 
