@@ -37,9 +37,8 @@ def build(overrides, workers: int):
 
     from transformer import dist
     from transformer.data.synthetic import SyntheticData
-    from transformer.model import Transformer
     from transformer.tasks import build_task
-    from transformer.training.distributed.parallelize import parallelize
+    from transformer.training.distributed.parallelize import build_model, parallelize
     from transformer.training.loop.trainer import Trainer
     from transformer.training.speed import graphs
 
@@ -48,7 +47,7 @@ def build(overrides, workers: int):
     env = dist.init(0, 0, 1, "cpu", 60)
     data = SyntheticData(cfg, 0, 1, pin_memory=False, num_workers=workers)
     torch.manual_seed(cfg.seed)
-    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    model = build_model(cfg, data)
     # parallelize refuses cuda_graphs on a CPU: the model is wrapped as for static shapes, as cuda_graphs wraps it
     trainer = Trainer(cfg, env, parallelize(model, compose_cfg(*common, "trainer.static_shapes=true"), env), data,
                       build_task(cfg), None)

@@ -114,16 +114,15 @@ def main():
         sys.exit(f"no Multi30k files in {args.multi30k} (--multi30k DIR)")
     torch.set_num_threads(args.threads)
     from transformer.data.translation import build_translation_data
-    from transformer.model import Transformer
     from transformer.tasks import build_task
-    from transformer.training.distributed.parallelize import parallelize
+    from transformer.training.distributed.parallelize import build_model, parallelize
     from transformer.training.loop.trainer import Trainer
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cfg = compose(offline_root(Path(args.multi30k), tmp), tmp / "cache")
         data = build_translation_data(cfg, DistEnv(), None)
         torch.manual_seed(cfg.seed)
-        model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+        model = build_model(cfg, data)
         trainer = Trainer(cfg, DistEnv(), parallelize(model, cfg, DistEnv()), data, build_task(cfg), None)
         window, flag = TrainWindow(), LaggedFlag()
         ours = (lambda batch: trainer._train_step([batch], window, flag), endless(data.train_loader))

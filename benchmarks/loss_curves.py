@@ -36,11 +36,11 @@ from transformer.specials import BOS, EOS, PAD
 from transformer.training.components.loss import label_smoothed_cross_entropy
 from transformer.training.components.optim import build_optimizer
 
-SWITCHES = {  # variant -> (autocast, model method that turns its switch on, or None)
+SWITCHES = {  # variant -> (autocast, the ModelOptions field that turns its switch on, or None)
     "fp32": (False, None),
     "bf16": (True, None),
-    "bf16_residual": (True, "set_bf16_residual"),
-    "unpadded": (False, "set_unpadded_attention"),
+    "bf16_residual": (True, "bf16_residual"),
+    "unpadded": (False, "unpadded_attention"),
     "reference_loss": (False, None),
     "fp8": (True, None),  # transformer/experimental/fp8.py converts the model
 }
@@ -65,16 +65,20 @@ def train(variant: str, steps: int, seed: int, sentences: int = 32, dropout: flo
     """The per-step training loss (mean per target token) of model=tiny under `variant` on `device`; None where
     this version of the model lacks the variant's switch."""
     amp, switch = SWITCHES[variant]
+    options = {}
+    if switch is not None:
+        try:  # a version of the model before ModelOptions, or without this switch, lacks the variant
+            from transformer.model import ModelOptions
+            options["options"] = ModelOptions(**{switch: True})
+        except (ImportError, TypeError):
+            return None
     torch.manual_seed(seed)
-    model = Transformer.from_config(ModelConfig(N=2, d_model=128, d_ff=256, h=4, dropout=dropout), VOCAB, VOCAB, True)
+    model = Transformer.from_config(ModelConfig(N=2, d_model=128, d_ff=256, h=4, dropout=dropout), VOCAB, VOCAB, True,
+                                    **options)
     model.to(device)
     if variant == "fp8":
         from transformer.experimental import fp8
         fp8.convert(model)
-    if switch is not None:
-        if not hasattr(model, switch):
-            return None
-        getattr(model, switch)(True)
     optim = SimpleNamespace(beta1=0.9, beta2=0.98, eps=1e-9, weight_decay=0.0, factor=0.25, warmup=200, anneal=0.0)
     opt, schedule = build_optimizer(model, optim, 128)
     g = torch.Generator().manual_seed(seed)

@@ -22,7 +22,7 @@ sys.path.append(str(REPO))  # after PYTHONPATH: an older checkout of the package
 import torch  # noqa: E402
 
 from tests.helpers.cli import compose_cfg  # noqa: E402
-from transformer.model import Transformer  # noqa: E402
+from transformer.model import ModelOptions, Transformer  # noqa: E402
 
 
 def saved_bytes(model, src: torch.Tensor, tgt: torch.Tensor) -> collections.Counter:
@@ -53,8 +53,8 @@ def main(argv=None) -> None:
     cfg = compose_cfg(*args.overrides, "trainer.accelerator=cpu")
     B, T = (int(n) for n in args.batch.split("x"))
     torch.manual_seed(cfg.seed)
-    model = Transformer.from_config(cfg.model, args.vocab, args.vocab, True)
-    model.set_bf16_residual(bool(cfg.trainer.bf16_residual))
+    model = Transformer.from_config(cfg.model, args.vocab, args.vocab, True,
+                                    options=ModelOptions(bf16_residual=bool(cfg.trainer.bf16_residual)))
     net = model if args.eager else torch.compile(model)
     src, tgt = torch.randint(4, args.vocab, (B, T)), torch.randint(4, args.vocab, (B, T))
     start = time.perf_counter()

@@ -14,7 +14,7 @@ from transformer.data.batch import collate
 from transformer.data.sampler import TokenBatchSampler
 from transformer.data.shapes import shape_length
 from transformer.experimental import packed
-from transformer.model import Transformer
+from transformer.model import ModelOptions, Transformer
 from transformer.specials import EOS, PAD
 from transformer.training.components.loss import label_smoothed_cross_entropy
 from transformer.training.loop.hotpath import LaggedFlag, TrainWindow
@@ -80,16 +80,14 @@ def test_a_batch_that_does_not_fit_its_cap_is_refused():
 def test_the_packed_forward_equals_the_padded_model_at_every_real_token(norm_first):
     """Logits, loss and every gradient of a packed, budget-filled batch (filler pairs and empty slots included)
     equal the padded model's on the same sentences (P_drop 0, fp32, the CPU reference attention)."""
-    torch.manual_seed(0)
     cfg = ModelConfig(N=2, N_dec=2, d_model=32, d_ff=64, h=4, dropout=0.0, norm_first=norm_first)
-    model = Transformer.from_config(cfg, 30, 30, True).train()
     items = varied_items(9)
     padded, flat = collate(items), packed.collate(items, 200, widths=(20, 30))
     assert flat.packings[0].B > len(items) + 1 and flat.packings[0].T > 12  # empty slots, wider than needed
     results = []
     for b, unpadded in ((padded, False), (flat, True)):
-        model.set_unpadded_attention(unpadded)
-        model.zero_grad()
+        torch.manual_seed(0)  # the same weights
+        model = Transformer.from_config(cfg, 30, 30, True, options=ModelOptions(unpadded_attention=unpadded)).train()
         logits = model(b.src, b.tgt_in, packings=b.packings)
         loss, nll = label_smoothed_cross_entropy(logits, b.tgt_out, 0.1, PAD)
         loss.backward()

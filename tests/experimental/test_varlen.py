@@ -12,7 +12,7 @@ from tests.helpers.numerics import close_scaled
 from transformer.config import ModelConfig
 from transformer.data.batch import collate
 from transformer.experimental.varlen import host_packing, pack, packing, unpack
-from transformer.model import Transformer
+from transformer.model import ModelOptions, Transformer
 from transformer.specials import PAD
 from transformer.training.components.loss import label_smoothed_cross_entropy
 
@@ -37,15 +37,13 @@ def test_packing_round_trip():
 def padded_then_unpadded(norm_first: bool) -> list:
     """A training forward and backward of one model (P_drop 0) on varied_batch(), padded, then unpadded: for each,
     the real positions' logits, the loss and the gradients by parameter name."""
-    torch.manual_seed(0)
     cfg = ModelConfig(N=2, N_dec=3, d_model=32, d_ff=64, h=4, dropout=0.0, norm_first=norm_first)
-    model = Transformer.from_config(cfg, 30, 30, True).train()
     src, tgt = varied_batch()
     real = tgt != PAD
     results = []
     for on in (False, True):
-        model.set_unpadded_attention(on)
-        model.zero_grad()
+        torch.manual_seed(0)  # the same weights
+        model = Transformer.from_config(cfg, 30, 30, True, options=ModelOptions(unpadded_attention=on)).train()
         logits = model(src, tgt)  # (B, T, V)
         loss, _ = label_smoothed_cross_entropy(logits, torch.where(real, tgt, PAD), 0.1, PAD)
         loss.backward()
@@ -79,8 +77,9 @@ def test_commands_start_without_importing_the_compiler():
             "assert 'torch._dynamo' not in sys.modules, 'imported at start'\n"
             "from transformer.config import ModelConfig\n"
             "from transformer.model import Transformer\n"
-            "Transformer.from_config(ModelConfig(N=1, d_model=8, d_ff=16, h=2), 9, 9, True)"
-            ".set_unpadded_attention(True)\n"
+            "from transformer.model import ModelOptions\n"
+            "Transformer.from_config(ModelConfig(N=1, d_model=8, d_ff=16, h=2), 9, 9, True, "
+            "options=ModelOptions(unpadded_attention=True))\n"
             "import importlib.util\n"  # torch < 2.10 has no varlen kernel: nothing to import then
             "name = 'torch.nn.attention.varlen'\n"
             "assert name in sys.modules or not importlib.util.find_spec(name)\n")
@@ -97,7 +96,7 @@ def test_torchs_varlen_kernel_is_called_as_its_release_expects(monkeypatch, wind
     varlen_attn = kernels.varlen_attn
 
     from transformer.experimental import varlen
-    varlen.load_kernels()  # what set_unpadded_attention(True) does
+    varlen.load_kernels()  # what a model built with ModelOptions(unpadded_attention=True) does
     assert varlen.torch_varlen_attn is varlen_attn
     assert varlen.WINDOWED == ("window_size" in inspect.signature(varlen_attn).parameters)  # this torch's
     calls = []
@@ -143,14 +142,14 @@ def test_cuda_varlen_kernel_equals_padded(dropout):
     dropout is off in both), and a training step with dropout runs and gives finite gradients."""
     torch.manual_seed(0)
     cfg = ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=dropout)
-    model = Transformer.from_config(cfg, 30, 30, True).cuda()
     src, tgt = (t.cuda() for t in varied_batch())
     real = tgt != PAD
     outs = []
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
-        model.eval()
         for on in (False, True):
-            model.set_unpadded_attention(on)
+            torch.manual_seed(0)  # the same weights
+            model = Transformer.from_config(cfg, 30, 30, True, options=ModelOptions(unpadded_attention=on))
+            model.cuda().eval()
             outs.append(model(src, tgt)[real].float())
     assert (outs[0] - outs[1]).norm() / outs[0].norm() < 2e-2
     model.train()
@@ -171,8 +170,7 @@ def test_attention_dropout_zero_trains_on_a_varlen_kernel(monkeypatch):
     monkeypatch.setattr(varlen, "_reference", lambda *a: calls.append("reference") or real(*a))
     torch.manual_seed(0)
     model = Transformer.from_config(ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.1, attention_dropout=0.0),
-                                    30, 30, True).cuda().train()
-    model.set_unpadded_attention(True)
+                                    30, 30, True, options=ModelOptions(unpadded_attention=True)).cuda().train()
     src, tgt = (t.cuda() for t in varied_batch())
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss, _ = label_smoothed_cross_entropy(model(src, tgt), tgt, 0.1, PAD)
@@ -246,8 +244,7 @@ def test_host_packings_give_identical_outputs_and_gradients(dropout):
     bitwise equal logits and gradients (dropout included: packing draws no random numbers)."""
     torch.manual_seed(0)
     cfg = ModelConfig(N=2, N_dec=2, d_model=32, d_ff=64, h=4, dropout=dropout)
-    model = Transformer.from_config(cfg, 30, 30, True).train()
-    model.set_unpadded_attention(True)
+    model = Transformer.from_config(cfg, 30, 30, True, options=ModelOptions(unpadded_attention=True)).train()
     batch = collate(varied_items(), packed=True)
     results = []
     for packings in (None, batch.packings):
@@ -299,8 +296,7 @@ def test_cuda_unpadded_step_has_no_host_sync():
     from transformer.training.tools.profiling import host_syncs
     torch.manual_seed(0)
     cfg = ModelConfig(N=2, d_model=64, d_ff=128, h=4, dropout=0.0)
-    model = Transformer.from_config(cfg, 30, 30, True).cuda()
-    model.set_unpadded_attention(True)
+    model = Transformer.from_config(cfg, 30, 30, True, options=ModelOptions(unpadded_attention=True)).cuda()
     host = collate(varied_items(), packed=True).pin_memory()
 
     def step(with_packings):

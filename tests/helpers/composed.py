@@ -25,13 +25,12 @@ def small_trainer(tmp_path, *overrides: str, seed_model: int = 0):
     from tests.training.loop.test_trainer import SMALL
     from transformer.data.copy import CopyData
     from transformer.dist import DistEnv
-    from transformer.model import Transformer
     from transformer.tasks import build_task
-    from transformer.training.distributed.parallelize import parallelize
+    from transformer.training.distributed.parallelize import build_model, parallelize
     from transformer.training.loop.trainer import Trainer
 
     cfg = composed(*SMALL, *overrides)
     data = CopyData(cfg, cfg.seed, 0, 1)
     torch.manual_seed(seed_model)
-    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    model = build_model(cfg, data)
     return Trainer(cfg, DistEnv(), parallelize(model, cfg, DistEnv()), data, build_task(cfg), tmp_path)

@@ -6,15 +6,16 @@ import torch
 
 from tests.helpers.composed import small_trainer as make_trainer  # composed once a process
 from transformer.config import ModelConfig
-from transformer.model import Transformer
+from transformer.model import ModelOptions, Transformer
 from transformer.specials import PAD
 from transformer.training.components.loss import label_smoothed_cross_entropy
 
 
-def make(norm_first: bool, dropout: float = 0.0, N: int = 2) -> Transformer:
+def make(norm_first: bool, dropout: float = 0.0, N: int = 2, on: bool = False) -> Transformer:
+    """The same weights (seed 0) with the bf16 stream on or off."""
     torch.manual_seed(0)
     cfg = ModelConfig(N=N, d_model=64, d_ff=128, h=4, dropout=dropout, norm_first=norm_first)
-    return Transformer.from_config(cfg, 40, 40, True)
+    return Transformer.from_config(cfg, 40, 40, True, options=ModelOptions(bf16_residual=on))
 
 
 def batch():
@@ -25,8 +26,7 @@ def batch():
     return src, tgt
 
 
-def loss_of(model, amp: bool, on: bool, seed: int = 1) -> torch.Tensor:
-    model.set_bf16_residual(on)
+def loss_of(model, amp: bool, seed: int = 1) -> torch.Tensor:
     src, tgt = batch()
     torch.manual_seed(seed)  # the same dropout masks
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
@@ -39,37 +39,34 @@ def loss_of(model, amp: bool, on: bool, seed: int = 1) -> torch.Tensor:
 def test_loss_within_tolerance_of_fp32(norm_first):
     """Small model, dropout 0.1 (same masks): the bf16-stream loss is within 1% of the fp32 loss, as close as
     bf16 autocast without the switch is (bf16 products round either way)."""
-    model = make(norm_first, dropout=0.1).train()
-    fp32 = loss_of(model, amp=False, on=False)
-    plain, stream = loss_of(model, amp=True, on=False), loss_of(model, amp=True, on=True)
+    model, on = make(norm_first, dropout=0.1).train(), make(norm_first, dropout=0.1, on=True).train()
+    fp32 = loss_of(model, amp=False)
+    plain, stream = loss_of(model, amp=True), loss_of(on, amp=True)
     assert abs(stream - fp32) / fp32 < 1e-2
     assert abs(stream - fp32) < 3 * abs(plain - fp32) + 1e-3
     stream.backward()
-    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in on.parameters())
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_stream_is_bf16_only_under_bf16_autocast(norm_first):
-    model = make(norm_first).eval()
+    model, on = make(norm_first).eval(), make(norm_first, on=True).eval()
     dtypes = []
-    model.encoder[0].register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    for m in (model, on):
+        m.encoder[0].register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
     src, tgt = batch()
-    for amp, on in [(True, False), (True, True)]:
-        loss_of(model, amp, on)
+    for m in (model, on):
+        loss_of(m, amp=True)
     assert dtypes == [torch.float32, torch.bfloat16]
     with torch.no_grad():  # without autocast the switch changes nothing, bit for bit
-        model.set_bf16_residual(False)
-        off = model(src, tgt)
-        model.set_bf16_residual(True)
-        assert torch.equal(model(src, tgt), off)
+        assert torch.equal(on(src, tgt), model(src, tgt))
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_traces_as_one_graph(norm_first):
     """fullgraph: a graph break would raise; the compiled forward equals the eager one. One layer of each kind
     (Dynamo traces every layer anew): its input is already the bf16 stream, the embeddings'."""
-    model = make(norm_first, N=1).eval()
-    model.set_bf16_residual(True)
+    model = make(norm_first, N=1, on=True).eval()
     src, tgt = batch()
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -91,7 +88,7 @@ def test_cuda_compiled_bf16_stream_matches_fp32(norm_first):
     src, tgt = (t.cuda() for t in batch())
     with torch.no_grad():
         ref, _ = label_smoothed_cross_entropy(model(src, tgt[:, :-1]), tgt[:, 1:], 0.1, PAD)
-    model.set_bf16_residual(True)
+    model = make(norm_first, on=True).cuda().train()  # the same weights
     compiled = torch.compile(model)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss, _ = label_smoothed_cross_entropy(compiled(src, tgt[:, :-1]), tgt[:, 1:], 0.1, PAD)
@@ -111,8 +108,7 @@ def test_compiled_layer_saves_the_stream_in_bf16(norm_first):
     from transformer.model.layers import EncoderLayer
 
     torch.manual_seed(0)
-    layer = EncoderLayer(64, 128, 4, 0.1, norm_first)
-    layer.sub1.bf16_residual = layer.sub2.bf16_residual = True
+    layer = EncoderLayer(64, 128, 4, 0.1, norm_first, bf16_residual=True)
     compiled = torch.compile(lambda x: layer(x, None))
     x = torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True)  # (B, T, d_model)
     outs = []
@@ -161,11 +157,8 @@ def test_the_stream_never_casts_to_bf16_and_back(norm_first):
     from transformer.model.layers import DecoderLayer, EncoderLayer
 
     torch.manual_seed(0)
-    enc, dec = EncoderLayer(64, 128, 4, 0.1, norm_first), DecoderLayer(64, 128, 4, 0.1, norm_first)
-    for layer in (enc, dec):
-        for m in layer.modules():
-            if hasattr(m, "bf16_residual"):
-                m.bf16_residual = True
+    enc = EncoderLayer(64, 128, 4, 0.1, norm_first, bf16_residual=True)
+    dec = DecoderLayer(64, 128, 4, 0.1, norm_first, bf16_residual=True)
     x = torch.randn(4, 8, 64, dtype=torch.bfloat16, requires_grad=True)  # (B, T, d_model)
     k, v = (torch.randn(4, 4, 6, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))  # (B, h, S, d_k)
     assert bf16_round_trips(lambda x: enc(x, None), x) == []

@@ -29,7 +29,8 @@ _loaded = False
 
 
 def load_kernels() -> None:
-    """Import the varlen kernels this machine has (once; `Transformer.set_unpadded_attention(True)` calls it)."""
+    """Import the varlen kernels this machine has (once; a Transformer built with
+    `ModelOptions(unpadded_attention=True)` calls it)."""
     global flash_attn_varlen_func, torch_varlen_attn, WINDOWED, _loaded
     if _loaded:
         return

@@ -187,12 +187,12 @@ class SublayerConnection(nn.Module):
     Pre-norm (Annotated Transformer, easier to train deep): x + Dropout(Sublayer(LayerNorm(x))).
     """
 
-    def __init__(self, d_model: int, dropout: float, norm_first: bool):
+    def __init__(self, d_model: int, dropout: float, norm_first: bool, bf16_residual: bool = False):
         super().__init__()
         self.norm = nn.LayerNorm(d_model)
         self.dropout = Dropout(dropout)
         self.norm_first = norm_first
-        self.bf16_residual = False  # Transformer.set_bf16_residual: the stream in bf16 under bf16 autocast
+        self.bf16_residual = bf16_residual  # ModelOptions.bf16_residual: the stream in bf16 under bf16 autocast
 
     def forward(self, x: torch.Tensor, sublayer) -> torch.Tensor:
         dtype = stream_dtype(x) if self.bf16_residual else None
@@ -208,12 +208,13 @@ class SublayerConnection(nn.Module):
 class EncoderLayer(nn.Module):
     """Section 3.1: self-attention, then a position-wise feed-forward network."""
 
-    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool, activation: str = "relu"):
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool, activation: str = "relu",
+                 bf16_residual: bool = False):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, dropout)
         self.ff = FeedForward(d_model, d_ff, dropout, activation)
-        self.sub1 = SublayerConnection(d_model, dropout, norm_first)
-        self.sub2 = SublayerConnection(d_model, dropout, norm_first)
+        self.sub1 = SublayerConnection(d_model, dropout, norm_first, bf16_residual)
+        self.sub2 = SublayerConnection(d_model, dropout, norm_first, bf16_residual)
 
     def forward(self, x: torch.Tensor, src_mask: torch.Tensor) -> torch.Tensor:
         x = self.sub1(x, lambda y: self.self_attn(y, mask=src_mask))
@@ -223,14 +224,15 @@ class EncoderLayer(nn.Module):
 class DecoderLayer(nn.Module):
     """Section 3.1: masked self-attention, attention over the encoder output, feed-forward."""
 
-    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool, activation: str = "relu"):
+    def __init__(self, d_model: int, d_ff: int, h: int, dropout: float, norm_first: bool, activation: str = "relu",
+                 bf16_residual: bool = False):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, dropout)
         self.cross_attn = MultiHeadAttention(d_model, h, dropout, self_attention=False)
         self.ff = FeedForward(d_model, d_ff, dropout, activation)
-        self.sub1 = SublayerConnection(d_model, dropout, norm_first)
-        self.sub2 = SublayerConnection(d_model, dropout, norm_first)
-        self.sub3 = SublayerConnection(d_model, dropout, norm_first)
+        self.sub1 = SublayerConnection(d_model, dropout, norm_first, bf16_residual)
+        self.sub2 = SublayerConnection(d_model, dropout, norm_first, bf16_residual)
+        self.sub3 = SublayerConnection(d_model, dropout, norm_first, bf16_residual)
 
     def forward(self, x: torch.Tensor, memory_kv, src_mask,
                 cache=None, tgt_mask: Optional[VarlenMask] = None) -> torch.Tensor:

@@ -72,6 +72,19 @@ class ModelArgs:
         return {**old, **d} if "N" in d else d
 
 
+@dataclass(frozen=True)
+class ModelOptions:
+    """How this run's model computes, not what it is: given to the constructor from the trainer config
+    (`from_trainer`), never stored in a checkpoint, so a model trained with them loads and decodes without."""
+    bf16_residual: bool = False  # trainer.bf16_residual: the residual stream in bf16 (transformer/model/residual.py)
+    unpadded_attention: bool = False  # trainer.unpadded_attention (transformer/experimental/varlen.py)
+
+    @classmethod
+    def from_trainer(cls, tcfg) -> "ModelOptions":
+        """From the `trainer` config section."""
+        return cls(bf16_residual=bool(tcfg.bf16_residual), unpadded_attention=bool(tcfg.unpadded_attention))
+
+
 def sinusoidal_positions(n: int, d_model: int) -> torch.Tensor:
     """Section 3.5: PE(pos, 2i) = sin(pos / 10000^(2i/d_model)), PE(pos, 2i+1) = cos(...)."""
     pos = torch.arange(n, dtype=torch.float32).unsqueeze(1)  # (n, 1)
@@ -85,14 +98,15 @@ def sinusoidal_positions(n: int, d_model: int) -> torch.Tensor:
 class Embedding(nn.Module):
     """Section 3.4: token embeddings scaled by sqrt(d_model), plus sinusoidal positions, then dropout."""
 
-    def __init__(self, vocab_size: int, d_model: int, max_positions: int, dropout: float):
+    def __init__(self, vocab_size: int, d_model: int, max_positions: int, dropout: float,
+                 bf16_residual: bool = False):
         super().__init__()
         self.tokens = nn.Embedding(vocab_size, d_model, padding_idx=PAD)
         self.scale = math.sqrt(d_model)
         # Not persistent: recomputed, so checkpoints stay small and max_positions can grow after training.
         self.register_buffer("pe", sinusoidal_positions(max_positions, d_model), persistent=False)
         self.dropout = Dropout(dropout)
-        self.bf16_residual = False
+        self.bf16_residual = bf16_residual
 
     def forward(self, ids: torch.Tensor, offset: int = 0, positions: Optional[torch.Tensor] = None,
                 longest: int = 0) -> torch.Tensor:
@@ -128,11 +142,20 @@ def _fuse_old_keys(module, state: dict, prefix: str, *args) -> None:
 
 class Transformer(nn.Module):
     """Encoder-decoder with N encoder and N_dec decoder layers (N each side in the paper); `encode` and `decode`
-    can be called separately."""
+    can be called separately. `options`: how this run computes (ModelOptions; the defaults for decoding)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, options: Optional[ModelOptions] = None):
         super().__init__()
         self.args = a = args
+        self.options = o = options or ModelOptions()
+        # trainer.bf16_residual: under bf16 autocast the stream between sublayers (embeddings, every residual
+        # add and LayerNorm) is stored in bf16, sums and LayerNorm statistics in fp32; no effect without it.
+        self.bf16_residual = o.bf16_residual
+        # trainer.unpadded_attention: `forward` (training and validation loss) runs on the real tokens only,
+        # packed, with variable-length attention; decoding (`encode`, `decode` with a cache) stays padded.
+        self.unpadded_attention = o.unpadded_attention
+        if o.unpadded_attention:
+            load_kernels()
         if a.tie_embeddings == "all" and not (a.shared_vocab and a.tgt_vocab_size <= a.src_vocab_size):
             raise ValueError("model.tie_embeddings=all needs one shared source/target vocabulary "
                              "(use tokenizer=bpe), but this data has separate vocabularies")
@@ -140,9 +163,9 @@ class Transformer(nn.Module):
         # target's types (tokenizer.tgt_vocab=seen numbers them first), the only ones the generator scores.
         tgt_rows = a.src_vocab_size if a.tie_embeddings == "all" else a.tgt_vocab_size
         with torch.random.fork_rng(devices=[]):  # the constructors' draws are discarded: _init_weights replays them
-            self.src_embed = Embedding(a.src_vocab_size, a.d_model, a.max_positions, a.dropout)
-            self.tgt_embed = Embedding(tgt_rows, a.d_model, a.max_positions, a.dropout)
-            layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first, a.activation)
+            self.src_embed = Embedding(a.src_vocab_size, a.d_model, a.max_positions, a.dropout, o.bf16_residual)
+            self.tgt_embed = Embedding(tgt_rows, a.d_model, a.max_positions, a.dropout, o.bf16_residual)
+            layer_args = (a.d_model, a.d_ff, a.h, a.dropout, a.norm_first, a.activation, o.bf16_residual)
             self.encoder = nn.ModuleList(EncoderLayer(*layer_args) for _ in range(a.N))
             self.decoder = nn.ModuleList(DecoderLayer(*layer_args) for _ in range(a.N_dec))
             # The keys and values of the encoder output for every decoder layer in one product: layer i's
@@ -163,8 +186,6 @@ class Transformer(nn.Module):
             self.src_embed.tokens.weight = self.tgt_embed.tokens.weight
         if a.attention_dropout is not None or a.ffn_dropout is not None:  # own rates (layers are built with P_drop)
             self.set_dropout(a.dropout)
-        self.bf16_residual = False  # set_bf16_residual
-        self.unpadded_attention = False  # set_unpadded_attention
         # Checkpoints written with separate q/k/v projections load into the stacked ones.
         if hasattr(self, "register_load_state_dict_pre_hook"):
             self.register_load_state_dict_pre_hook(_fuse_old_keys)
@@ -173,9 +194,9 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_config(cls, model_cfg, src_vocab_size: int, tgt_vocab_size: int,
-                    shared_vocab: bool = False) -> "Transformer":
+                    shared_vocab: bool = False, options: Optional[ModelOptions] = None) -> "Transformer":
         """A new model from the `model` config section and the data's vocabularies."""
-        return cls(ModelArgs.from_config(model_cfg, src_vocab_size, tgt_vocab_size, shared_vocab))
+        return cls(ModelArgs.from_config(model_cfg, src_vocab_size, tgt_vocab_size, shared_vocab), options)
 
     @torch.no_grad()
     def _init_weights(self) -> None:
@@ -313,13 +334,6 @@ class Transformer(nn.Module):
             y = layer(y, kv, VarlenMask(tp, sp), tgt_mask=VarlenMask(tp, tp))
         return self.generator(self._final_norm(self.dec_norm, y))  # (N_t, V)
 
-    def set_unpadded_attention(self, on: bool) -> None:
-        """trainer.unpadded_attention: `forward` (training and validation loss) runs on the real tokens only,
-        packed, with variable-length attention; decoding (`encode`, `decode` with a cache) stays padded."""
-        if on:
-            load_kernels()
-        self.unpadded_attention = on
-
     def set_dropout(self, p: float) -> None:
         """P_drop of every dropout in the model (embeddings, sublayers, and the attention weights and the
         feed-forward network's inner dropout unless model.attention_dropout and model.ffn_dropout set theirs), for
@@ -335,14 +349,6 @@ class Transformer(nn.Module):
         for m in self.modules():  # after the loop above, which visits a FeedForward before its Dropout
             if isinstance(m, FeedForward):
                 m.dropout.p = ffn
-
-    def set_bf16_residual(self, on: bool) -> None:
-        """trainer.bf16_residual: under bf16 autocast the residual stream between sublayers (embeddings, every
-        residual add and LayerNorm) is stored in bf16, sums and LayerNorm statistics computed in fp32
-        (transformer/model/residual.py). No effect without bf16 autocast; the weights are untouched."""
-        for m in self.modules():
-            if hasattr(m, "bf16_residual"):
-                m.bf16_residual = on
 
     def record_attention(self, on: bool = True) -> None:
         """Keep the attention weights of every attention module in its `last_attention` (for plots)."""

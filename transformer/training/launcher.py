@@ -27,7 +27,6 @@ from transformer.data.download import DownloadError
 from transformer.environment import describe, machine_error
 from transformer.experimental import in_use
 from transformer.experimental.microbatch import fit_micro_batch
-from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training.components.checkpoint import (
     ORIGIN,
@@ -43,7 +42,7 @@ from transformer.training.components.init_from import (
     prepare_init_from,
     read_init_from,
 )
-from transformer.training.distributed.parallelize import parallelize
+from transformer.training.distributed.parallelize import build_model, parallelize
 from transformer.training.distributed.runlock import end_with_parent
 from transformer.training.loop.trainer import Trainer
 from transformer.training.reporting.logs import setup_logging, start_file_log, warn
@@ -90,7 +89,7 @@ def _train(cfg, env: dist.DistEnv, run_dir: Optional[Path], snapshot: Optional[D
     data = build_data(cfg, env, run_dir, init.tokenizer_state if init is not None else None)
     check_tokenizer(init, data.tokenizer)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
-    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    model = build_model(cfg, data)
     torch.manual_seed(cfg.seed + env.rank)
     trainer = Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), run_dir, stop)
     restore(trainer, cfg, env, init)

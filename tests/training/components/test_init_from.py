@@ -14,10 +14,9 @@ from transformer import exit_codes
 from transformer.data import build_data
 from transformer.data.tokenizer import tokenizer_from_state
 from transformer.dist import DistEnv
-from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training.components.checkpoint import load_checkpoint
-from transformer.training.distributed.parallelize import parallelize
+from transformer.training.distributed.parallelize import build_model, parallelize
 from transformer.training.loop.trainer import Trainer
 
 # No TensorBoard: its end-of-run figures (matplotlib) took a third of each run; nothing here reads them.
@@ -51,7 +50,7 @@ def base_run(tmp_path_factory):
         try:
             data = build_data(cfg, DistEnv(), folder / "base")
             torch.manual_seed(cfg.seed)
-            model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+            model = build_model(cfg, data)
             trainer = Trainer(cfg, DistEnv(), parallelize(model, cfg, DistEnv()), data, build_task(cfg),
                               folder / "base")
             assert trainer.train() == 0

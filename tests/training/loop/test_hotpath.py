@@ -23,10 +23,9 @@ from transformer import dist
 from transformer.data.batch import PAD, collate
 from transformer.data.copy import CopyData
 from transformer.exit_codes import PREEMPTED as PREEMPTED_EXIT_CODE
-from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training.components.loss import label_smoothed_cross_entropy
-from transformer.training.distributed.parallelize import parallelize
+from transformer.training.distributed.parallelize import build_model, parallelize
 from transformer.training.loop.hotpath import LaggedFlag, StepTimer, TrainWindow
 from transformer.training.loop.trainer import Trainer
 
@@ -254,7 +253,7 @@ def _late_worker(rank: int, port: int, run_dir: str, anneal: float):
                           "trainer.val_every=1000", "checkpoint.every_steps=1000", f"optim.anneal={anneal}")
         data = CopyData(cfg, cfg.seed, rank, 2)
         torch.manual_seed(0)
-        model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+        model = build_model(cfg, data)
         t = Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), Path(run_dir))
         # Only rank 1's clock passes the limit, or the start of the fall (after 3 steps); rank 0's never does.
         seconds = 60.0 * (1 - anneal)

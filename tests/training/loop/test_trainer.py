@@ -11,7 +11,6 @@ from tests.helpers.models import one_thread  # noqa: F401  (autouse)
 from transformer.data.batch import PairDataset, Ragged, collate
 from transformer.data.copy import CopyData
 from transformer.dist import DistEnv
-from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training.components.checkpoint import (
     Checkpointer,
@@ -21,7 +20,7 @@ from transformer.training.components.checkpoint import (
     load_checkpoint,
     load_model,
 )
-from transformer.training.distributed.parallelize import parallelize
+from transformer.training.distributed.parallelize import build_model, parallelize
 from transformer.training.loop.trainer import Trainer
 
 SMALL = ["experiment=copy", "model.N=1", "model.d_model=32", "model.d_ff=64", "model.h=2",
@@ -33,7 +32,7 @@ def make_trainer(tmp_path, *overrides, seed_model=0):
     cfg = compose_cfg(*SMALL, *overrides)
     data = CopyData(cfg, cfg.seed, 0, 1)
     torch.manual_seed(seed_model)
-    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    model = build_model(cfg, data)
     return Trainer(cfg, DistEnv(), parallelize(model, cfg, DistEnv()), data, build_task(cfg), tmp_path)
 
 

@@ -11,7 +11,7 @@ from transformer.dist import DistEnv
 from transformer.model import Transformer
 from transformer.tasks import build_task
 from transformer.training.components.ema import EMA
-from transformer.training.distributed.parallelize import parallelize
+from transformer.training.distributed.parallelize import build_model, parallelize
 from transformer.training.loop.quality import RunClock, TimeToQuality
 from transformer.training.loop.validation import Validator
 from transformer.training.reporting.logs import MetricsLogger
@@ -21,7 +21,7 @@ def build(tmp_path, *overrides):
     cfg = compose_cfg(*SMALL, "logger.trackers=[]", *overrides)  # metrics.jsonl only
     data = CopyData(cfg, cfg.seed, 0, 1)
     torch.manual_seed(0)
-    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    model = build_model(cfg, data)
     task = build_task(cfg)
     metrics = MetricsLogger(tmp_path, cfg)
     validator = Validator(task, data, DistEnv(), metrics, metric=task.metric("val_loss"), label_smoothing=0.1,
@@ -106,3 +106,26 @@ def test_parallelize_wraps_nothing_on_one_cpu_worker_and_keeps_parameter_names(t
     p = parallelize(model, cfg, DistEnv())
     assert p.net is p.model is model and list(p.model.state_dict()) == names
     assert p.amp_dtype is None and not p.scaler.is_enabled()  # fp16 has no CPU kernels: fp32 there
+
+
+def test_build_model_gives_the_trainers_options_and_parallelize_refuses_a_model_without_them():
+    """trainer.bf16_residual and unpadded_attention are constructor options (ModelOptions), not flags set on a
+    built model: build_model passes them, every layer holds them from the start, the checkpoint's model args
+    stay as they were, and parallelize refuses a model built without what the config asks."""
+    import pytest
+
+    from transformer.model import ModelOptions
+
+    cfg = compose_cfg(*SMALL, "trainer.bf16_residual=true", "trainer.unpadded_attention=true")
+    data = CopyData(cfg, cfg.seed, 0, 1)
+    torch.manual_seed(0)
+    model = build_model(cfg, data)
+    assert model.options == ModelOptions(bf16_residual=True, unpadded_attention=True) and model.unpadded_attention
+    assert all(m.bf16_residual for m in model.modules() if hasattr(m, "bf16_residual"))
+    torch.manual_seed(0)
+    plain = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    assert plain.args == model.args and "options" not in plain.args.to_dict()
+    pairs = zip(plain.state_dict().values(), model.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    with pytest.raises(ValueError, match="built with ModelOptions.*build_model"):
+        parallelize(plain, cfg, DistEnv())

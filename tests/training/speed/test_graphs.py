@@ -154,13 +154,13 @@ def graph_safe_trainer(tmp_path, *overrides, env=None, rank=0, world_size=1):
     from transformer.data.copy import CopyData
     from transformer.dist import DistEnv
     from transformer.tasks import build_task
-    from transformer.training.distributed.parallelize import parallelize
+    from transformer.training.distributed.parallelize import build_model, parallelize
     from transformer.training.loop.trainer import Trainer
     env = env or DistEnv()
     cfg = composed(*SMALL, *FP32, "trainer.cuda_graphs=true", *overrides)
     data = CopyData(cfg, cfg.seed, rank, world_size)
     torch.manual_seed(0)
-    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    model = build_model(cfg, data)
     parallel = parallelize(model, composed(*SMALL, *FP32, "trainer.static_shapes=true", *overrides), DistEnv())
     t = Trainer(cfg, env, parallel, data, build_task(cfg), tmp_path)
     whole = cfg.trainer.compile and cfg.trainer.compile_scope == "model"  # else net is the module itself

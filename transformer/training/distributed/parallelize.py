@@ -1,7 +1,8 @@
-"""All wrapping of the model for training, in one function: device placement, precision (the autocast dtype
-and the fp16 grad scaler), backend switches, activation checkpointing, DistributedDataParallel and
-torch.compile. The entry point calls `parallelize(model, cfg, env)` and gives the result to the Trainer,
-which wraps nothing itself.
+"""The model a run trains (`build_model`: its arguments from the `model` config, its options from `trainer`)
+and all its wrapping for training, in one function: device placement, precision (the autocast dtype and the
+fp16 grad scaler), backend switches, activation checkpointing, DistributedDataParallel and torch.compile. The
+entry point calls `parallelize(build_model(cfg, data), cfg, env)` and gives the result to the Trainer, which
+wraps nothing itself.
 """
 import contextlib
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from transformer.dist import DistEnv
 from transformer.experimental import fp8, regional_compile
+from transformer.model import ModelOptions, Transformer
 from transformer.training.components.loss import choose as choose_loss
 from transformer.training.reporting.logs import note, warn
 from transformer.training.speed import speedups
@@ -30,6 +32,13 @@ def autocast_dtype(precision: str, device: torch.device) -> Optional[torch.dtype
     if device.type == "cpu":
         return torch.bfloat16 if precision == "bf16" else None
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[precision]  # fp8: float8 Linears
+
+
+def build_model(cfg, data) -> "Transformer":
+    """A new Transformer for the run: the `model` section and `data`'s vocabularies say what it is, the trainer's
+    bf16_residual and unpadded_attention how it computes (constructor options, not flags set afterwards)."""
+    return Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab,
+                                   options=ModelOptions.from_trainer(cfg.trainer))
 
 
 @dataclass
@@ -101,10 +110,10 @@ def parallelize(model: torch.nn.Module, cfg, env: DistEnv) -> Parallelized:
     speedups.configure_backends(tcfg, env.device)
     if tcfg.precision == "fp8":  # transformer/experimental/fp8.py: float8 products, under the bf16 autocast above
         note(f"trainer.precision=fp8: {len(fp8.convert(model))} linear layers multiply in float8")
-    if tcfg.bf16_residual:  # transformer/model/residual.py: bf16 between sublayers under bf16 autocast
-        model.set_bf16_residual(True)
+    if model.options != ModelOptions.from_trainer(tcfg):  # a caller's mistake, not a user's: say it plainly
+        raise ValueError(f"the model was built with {model.options}, the trainer config asks for "
+                         f"{ModelOptions.from_trainer(tcfg)}: build it with build_model(cfg, data)")
     if tcfg.unpadded_attention:  # transformer/experimental/varlen.py: the training forward on packed real tokens
-        model.set_unpadded_attention(True)
         if env.device.type == "cuda" and amp_dtype is None:
             warn("trainer.unpadded_attention with fp32: the varlen kernels take bf16 and fp16 only, so attention "
                  "re-pads each call (slower than the padded model); use trainer.precision=bf16")

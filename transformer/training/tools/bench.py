@@ -73,9 +73,8 @@ def check_outputs(b) -> None:
 def build(cfg, env):
     """The data (real or synthetic) and a Trainer with no run directory: a benchmark writes no files."""
     from transformer.experimental.microbatch import fit_micro_batch
-    from transformer.model import Transformer
     from transformer.tasks import build_task
-    from transformer.training.distributed.parallelize import parallelize
+    from transformer.training.distributed.parallelize import build_model, parallelize
     from transformer.training.loop.trainer import Trainer
 
     if cfg.bench.synthetic:
@@ -88,7 +87,7 @@ def build(cfg, env):
         cfg.data.max_tokens_by_epoch = []  # a ramp is a training schedule: the benchmark times max_tokens batches
         data = build_data(cfg, env, None)
     torch.manual_seed(cfg.seed)
-    model = Transformer.from_config(cfg.model, data.src_vocab_size, data.tgt_vocab_size, data.shared_vocab)
+    model = build_model(cfg, data)
     torch.manual_seed(cfg.seed + env.rank)
     trainer = Trainer(cfg, env, parallelize(model, cfg, env), data, build_task(cfg), None)
     fit_micro_batch(trainer)  # trainer.micro_batch=fit: the split a training run would choose
