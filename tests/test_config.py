@@ -6,7 +6,8 @@ from omegaconf import OmegaConf
 
 from tests.helpers.cli import CONF, cli_env, compose_cfg, train_cmd
 from tests.helpers.inprocess import call_main
-from transformer.config import ConfigError, validate
+from transformer.config import ConfigError
+from transformer.config_checks import validate
 
 
 def group_options():
@@ -131,7 +132,8 @@ def test_bad_data_exits_2_in_one_line_and_leaves_no_run_dir(tmp_path, overrides,
 
 
 def test_attention_dropout_out_of_range_is_refused_with_its_key():
-    from transformer.config import ConfigError, validate
+    from transformer.config import ConfigError
+    from transformer.config_checks import validate
 
     with pytest.raises(ConfigError, match=r"model.attention_dropout=1.0: must be in \[0, 1\)"):
         validate(compose_cfg("model.attention_dropout=1.0"))

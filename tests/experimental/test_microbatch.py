@@ -7,7 +7,8 @@ import torch
 
 from tests.helpers.cli import compose_cfg
 from tests.training.loop.test_trainer import make_trainer
-from transformer.config import ConfigError, validate
+from transformer.config import ConfigError
+from transformer.config_checks import validate
 from transformer.dist import DistEnv
 from transformer.experimental.microbatch import (
     Split,

@@ -9,7 +9,8 @@ from tests.helpers.cli import compose_cfg
 from tests.helpers.composed import small_trainer
 from tests.helpers.numerics import assert_close_scaled
 from tests.training.speed.test_graphs import FP32, assert_replay_equals_eager, graph_safe_trainer, run
-from transformer.config import ModelConfig, validate
+from transformer.config import ModelConfig
+from transformer.config_checks import validate
 from transformer.data.batch import collate
 from transformer.data.sampler import TokenBatchSampler
 from transformer.data.shapes import shape_length

@@ -13,7 +13,8 @@ import torch
 from tests.helpers.export import PAIRS, SRC, tokenizer, trained_model
 from tests.helpers.models import one_thread  # noqa: F401  (autouse)
 from transformer import dist
-from transformer.config import ConfigError, EvalConfig, check_eval
+from transformer.config import ConfigError, EvalConfig
+from transformer.config_checks import check_eval
 from transformer.tasks.translation import tune_lenpen, valid_bleu
 
 CPU = dist.DistEnv(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"))

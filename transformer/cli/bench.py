@@ -15,7 +15,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformer import exit_codes
 from transformer.cli.compose import precheck
-from transformer.config import CONF_DIR, register_configs, validate
+from transformer.config import CONF_DIR, register_configs
+from transformer.config_checks import validate
 from transformer.training.launcher import USER_INPUT_ERRORS
 
 

@@ -7,7 +7,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 from transformer import exit_codes
-from transformer.config import ConfigError, EvalConfig, check_eval, eval_from_dict
+from transformer.config import ConfigError, EvalConfig, eval_from_dict
+from transformer.config_checks import check_eval
 from transformer.training.components.averaging import AverageError
 from transformer.training.components.checkpoint import CheckpointError
 

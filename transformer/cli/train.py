@@ -16,7 +16,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from transformer import dist, exit_codes, version_line
 from transformer.cli.compose import precheck
-from transformer.config import CONF_DIR, ConfigError, register_configs, to_container, validate
+from transformer.config import CONF_DIR, ConfigError, register_configs, to_container
+from transformer.config_checks import validate
 from transformer.environment import describe, machine_error
 from transformer.experimental import fp8
 from transformer.tasks import build_task

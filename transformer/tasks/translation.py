@@ -82,7 +82,7 @@ class TranslationTask(Task):
         return valid_bleu(model, data, env, ev)
 
     def tune(self, model, data, env) -> Optional[Dict[str, float]]:
-        grid = list(self.cfg.eval.tune_lenpen)  # config.check_eval: a grid needs eval.bleu
+        grid = list(self.cfg.eval.tune_lenpen)  # config_checks.check_eval: a grid needs eval.bleu
         return tune_lenpen(model, data, env, self.cfg.eval, grid) if grid else None
 
     def sample_sentence(self, data) -> Optional[str]:

@@ -102,7 +102,8 @@ def test_non_finite_weights_are_never_saved(tmp_path):
 
 
 def test_bad_policy_is_refused():
-    from transformer.config import ConfigError, validate
+    from transformer.config import ConfigError
+    from transformer.config_checks import validate
 
     with pytest.raises(ConfigError, match="trainer.nonfinite"):
         validate(compose_cfg(*SMALL, "trainer.nonfinite=ignore"))

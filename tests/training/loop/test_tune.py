@@ -13,7 +13,8 @@ from tests.helpers.models import copy_checkpoint, copy_model, one_thread  # noqa
 from transformer.cli.common import eval_config
 from transformer.cli.evaluate import build_parser
 from transformer.cli.evaluate import main as evaluate
-from transformer.config import ConfigError, EvalConfig, validate
+from transformer.config import ConfigError, EvalConfig
+from transformer.config_checks import validate
 from transformer.dist import DistEnv
 from transformer.tasks import translation
 from transformer.training.components.checkpoint import FORMAT, Checkpointer, load_checkpoint

@@ -15,7 +15,8 @@ from omegaconf import OmegaConf
 from tests.helpers.cli import compose_cfg, train_cmd
 from tests.helpers.dist import TINY, env_for, finish, popen, run_cli, step_files, wait_for
 from transformer import exit_codes
-from transformer.config import Config, ConfigError, check_logger
+from transformer.config import Config, ConfigError
+from transformer.config_checks import check_logger
 from transformer.training.reporting.trackers import exit_status
 
 wandb = pytest.importorskip("wandb")

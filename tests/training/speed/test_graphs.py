@@ -14,7 +14,8 @@ from tests.helpers.cli import compose_cfg
 from tests.helpers.composed import composed, small_trainer
 from tests.helpers.numerics import tolerance
 from tests.training.loop.test_trainer import ragged_pairs
-from transformer.config import ConfigError, validate
+from transformer.config import ConfigError
+from transformer.config_checks import validate
 from transformer.data.batch import PAD, collate
 from transformer.data.sampler import TokenBatchSampler
 from transformer.data.shapes import pad_to_shape, shape_length, static_shape

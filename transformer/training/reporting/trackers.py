@@ -2,7 +2,7 @@
 `logger.trackers`. Only global rank 0 ever creates one (transformer/training/reporting/logs.py's MetricsLogger).
 
 wandb and mlflow are optional extras (`pip install 'transformer[wandb]'`, `'.[mlflow]'`):
-`transformer.config.check_logger` refuses a tracker whose library is missing before the run directory is made.
+`transformer.config_checks.check_logger` refuses a tracker whose library is missing before the run directory is made.
 A tracker run starts at the run's first event (or at its end, to record a failure) with the whole resolved
 config, receives every numeric, finite value of every event as `<split>/<name>` at the event's step (what
 TensorBoard gets), and at the end records the exit code (transformer/exit_codes.py) and its status name.

@@ -27,7 +27,8 @@ from typing import List, Optional
 import torch
 
 from transformer import dist
-from transformer.config import ConfigError, validate
+from transformer.config import ConfigError
+from transformer.config_checks import validate
 from transformer.data.batch import PAD
 from transformer.experimental import packed, regional_compile
 from transformer.model.flops import real_flops, step_flops
