@@ -14,7 +14,7 @@ unexport PYTHONDONTWRITEBYTECODE
 CONSTRAINTS ?= constraints-cpu.txt
 
 .PHONY: install train test test-slow test-wheel test-docker test-slurm test-gpu test-floor gpu-wheels bench-gpu bench-gpu-dry gpu-data \
-	train-gpu-multi30k fp8-curve-gpu test-all clean
+	train-gpu-multi30k fp8-curve-gpu test-all coverage clean
 
 # One venv, two stamps: .runtime (the package and its runtime dependencies, for `make train`) and .installed
 # (with the test extra: pytest, linters, the trackers and export libraries the tests use; for `make test` and
@@ -117,6 +117,9 @@ bench-gpu-dry: install  ## bench-gpu's plumbing on a CPU, every run shrunk
 	$(BIN)/python benchmarks/bench_gpu.py --dry-run --out outputs/bench-gpu-dry.jsonl
 
 test-all: test test-slow test-wheel test-docker test-slurm
+
+coverage: install  ## line coverage of transformer/ per module over the CPU tiers (docs/benchmarks/coverage.md)
+	PYTHON=$(BIN)/python bash benchmarks/coverage_tiers.sh
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) outputs multirun .pytest_cache

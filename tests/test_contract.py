@@ -136,6 +136,8 @@ COMMAND_CASES = [
     (translate, ["{d}/model.pt", "--beam", "2", "--nbest", "3"], ["--nbest 3"]),
     (translate, ["{d}/model.pt", "--input", "{d}/src.txt", "--output", "{d}/no/such/out.txt"], ["--output"]),
     (translate, ["{d}/model.pt", "--max-source-tokens", "0"], ["--max-source-tokens 0"]),
+    (translate, ["{d}/model.pt", "--input", "{d}/src.txt", "--output", "{d}"], ["--output", "is a folder"]),
+    (translate, ["{d}/model.pt", "--buffer-size", "0"], ["--buffer-size 0", "must be >= 1"]),
     (evaluate, ["{d}/model.pt", "--src", "{d}/src.txt", "--ref", "{d}/ref.txt"], ["has 2 lines", "has 1"]),
     (evaluate, ["{d}/model.pt", "--src", "{d}/bad_utf8.txt", "--ref", "{d}/ref.txt"], ["bad_utf8.txt", "line 6"]),
     (evaluate, ["{d}/model.pt"], ["--split"]),

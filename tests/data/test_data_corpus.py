@@ -7,7 +7,7 @@ import pytest
 from tests.helpers.data import TRAIN_DE, TRAIN_EN, VAL_DE, VAL_EN, FakeEnv, small_files_cfg, write_corpus, write_lines
 from tests.helpers.textfiles import fifo
 from transformer.data.batch import BOS, EOS
-from transformer.data.corpus import read_lines, read_parallel, resolve
+from transformer.data.corpus import iter_pairs, read_lines, read_parallel, resolve
 from transformer.data.translation import build_translation_data, filter_pairs, load_split
 
 
@@ -64,6 +64,17 @@ def test_mismatched_line_counts(tmp_path):
     write_lines(tmp_path / "t.en", ["a", "b"])
     with pytest.raises(ValueError, match=r"t\.de has 3 lines but .*t\.en has 2: line 3 has no partner"):
         read_parallel(tmp_path / "t.de", tmp_path / "t.en")
+
+
+def test_streamed_pairs_stop_where_a_file_changed_after_its_count(tmp_path):
+    """iter_pairs streams chunks without counting first (count_pairs did, earlier): a file shortened since then
+    ends in the same error, at the chunk where the two sides part, not in silently dropped pairs."""
+    write_lines(tmp_path / "t.de", ["a", "b", "c", "d", "e"])
+    write_lines(tmp_path / "t.en", ["a", "b", "c"])
+    pairs = iter_pairs(tmp_path / "t.de", tmp_path / "t.en", chunk=2)
+    assert next(pairs) == (["a", "b"], ["a", "b"])
+    with pytest.raises(ValueError, match=r"t\.de has 5 lines but .*t\.en has 3: line 4 has no partner"):
+        next(pairs)
 
 
 @pytest.mark.parametrize("content", [b"", b"\n\n  \n"])

@@ -10,7 +10,15 @@ from transformer.config import EvalConfig, ModelConfig
 from transformer.data.copy import CopyTokenizer
 from transformer.model import Transformer
 from transformer.training.components.checkpoint import atomic_save
-from transformer.training.reporting.plots import attention_maps, log_figures, read_metrics, series
+from transformer.training.reporting.plots import (
+    attention_maps,
+    close_figures,
+    heads_figure,
+    log_figures,
+    loss_figure,
+    read_metrics,
+    series,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -118,3 +126,33 @@ def test_deep_model_keeps_few_figures_open(run_dir, tmp_path, monkeypatch):
                                tmp_path / "png")
     assert len(paths) == 3 + 3 * 8 and len(most_open) == 3 * 8
     assert max(most_open) == 1 and plt.get_fignums() == []
+
+
+def test_validation_loss_of_older_runs_is_plotted_too():
+    """Runs written before `val_loss` existed logged validation's loss as `loss`: the loss figure still has a
+    validation line for them."""
+    records = [{"split": "train", "step": s, "loss": 3.0 / s} for s in (1, 2, 3)]
+    records += [{"split": "valid", "step": 3, "loss": 1.5}]
+    fig = loss_figure(records)
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert labels == ["train", "valid"] and list(fig.axes[0].get_lines()[1].get_ydata()) == [1.5]
+    close_figures([fig])
+
+
+def test_a_heads_grid_blanks_the_cells_without_a_head():
+    """h=5 heads in a grid four wide: two rows, the three cells after the last head drawn empty."""
+    weights = torch.rand(5, 3, 4).softmax(-1)  # (h, T, S)
+    fig = heads_figure(weights, ["a", "b", "c"], ["w", "x", "y", "z"], "heads")
+    shown = [ax.axison for ax in fig.axes]
+    close_figures([fig])
+    assert len(shown) == 8 and shown == [True] * 5 + [False] * 3
+
+
+def test_a_sentence_without_a_checkpoint_is_refused_and_leaves_no_figure_open(tmp_path, capsys):
+    import matplotlib.pyplot as plt
+
+    write_metrics(tmp_path / "metrics.jsonl")  # curves to draw, but no checkpoints/
+    open_before = plt.get_fignums()
+    assert main([str(tmp_path), "--sentence", "4 5 6"]) == 2
+    assert "--sentence needs a checkpoint" in capsys.readouterr().err
+    assert plt.get_fignums() == open_before and not (tmp_path / "plots").exists()

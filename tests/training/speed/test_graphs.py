@@ -339,6 +339,15 @@ def test_cuda_graphs_refuses_a_cpu():
     check_cuda_graphs(tcfg, torch.device("cuda", 0))  # accepted
 
 
+def test_the_graph_step_refuses_parameters_of_two_dtypes():
+    """One flat gradient buffer holds every gradient, so the parameters must share a dtype: a half-converted
+    model is refused before any buffer is made."""
+    from transformer.training.speed.graphs import GraphStep
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="one flat buffer: parameters of one dtype"):
+        GraphStep(model, model, None, None, None, None, None, capture=False)
+
+
 def test_cuda_graphs_on_a_cpu_is_one_error_line_and_exit_code_2(tmp_path, capfd):
     """transformer-train's main() in this process (test_contract.py starts the command as a process)."""
     from tests.helpers.inprocess import call_main

@@ -9,6 +9,7 @@ as CUDA graphs (transformer/training/speed/graphs.py). `build_step` chooses one,
 forward, loss and backward through the same function (components/loss.py `forward_backward`).
 """
 import contextlib
+from abc import ABC, abstractmethod
 from typing import Callable, Sequence
 
 import torch
@@ -23,7 +24,7 @@ from transformer.training.speed import speedups
 from transformer.training.speed.graphs import GraphStep
 
 
-class TrainStep:
+class TrainStep(ABC):
     """Forward/backward over K micro-batches, one gradient sync, one update. The loss is normalised by the
     target tokens of all micro-batches on all ranks, so the update equals one big batch's (Section 5.4's
     label-smoothed loss, Section 5.3's Adam and schedule). Subclasses say how micro-batches are accumulated
@@ -94,13 +95,13 @@ class TrainStep:
         self.marks.mark("optimizer")
         return step_result(stats, grad_norm)
 
+    @abstractmethod
     def _accumulate(self, micro: Sequence, static_shape: Callable, dropout: float) -> tuple:
         """Forward and backward of every micro-batch; returns this rank's (target tokens, loss sum, nll sum)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _update(self, stats: torch.Tensor, grads: list, norms):
         """Normalise, clip, step Adam and the schedule, zero the gradients; returns the gradient norm or None."""
-        raise NotImplementedError
 
 
 class EagerStep(TrainStep):

@@ -52,7 +52,7 @@ def series(records: Sequence[dict], split: str, key: str) -> Tuple[List[float], 
     return steps, [points[s] for s in steps]
 
 
-def _figure(title: str, ylabel: str, lines, logy: bool = False, xlabel: str = "step"):
+def _figure(title: str, ylabel: str, lines, xlabel: str = "step"):
     lines = [(label, xs, ys, style) for label, xs, ys, style in lines if xs]
     if not lines:
         return None
@@ -62,8 +62,6 @@ def _figure(title: str, ylabel: str, lines, logy: bool = False, xlabel: str = "s
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    if logy:
-        ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
