@@ -291,13 +291,19 @@ def test_sbatch_requeues_only_preempted_steps(fake_bin, tmp_path, step_exit, req
 
 # --- Real torchrun, a stand-in trainer ------------------------------------------------------
 
-FAKE_TRAIN = """import os, sys
+FAKE_TRAIN = """import os, sys, time
 rank = os.environ["RANK"]
 attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 fail_first = os.environ.get("FAIL_FIRST_ATTEMPT") == "1"
-with open(os.path.join(os.environ["OUT_DIR"], f"rank{rank}.attempt{attempt}"), "w") as f:
+record = lambda r: os.path.join(os.environ["OUT_DIR"], f"rank{r}.attempt{attempt}")
+with open(record(rank), "w") as f:
     f.write(" ".join([os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"],
                       os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "-")] + sys.argv[1:]))
+# The agent stops the other workers as soon as one ends with an error: wait until every worker of this attempt has
+# written its record, or a slow-starting one is stopped before it does (seen under coverage's process start-up).
+deadline = time.monotonic() + 60
+while not all(os.path.exists(record(r)) for r in range(int(os.environ["WORLD_SIZE"]))) and time.monotonic() < deadline:
+    time.sleep(0.05)
 sys.exit(1 if fail_first and attempt == 0 else int(os.environ.get("EXIT_CODE", "0")))
 """
 
