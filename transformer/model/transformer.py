@@ -148,12 +148,6 @@ class Transformer(nn.Module):
         super().__init__()
         self.args = a = args
         self.options = o = options or ModelOptions()
-        # trainer.bf16_residual: under bf16 autocast the stream between sublayers (embeddings, every residual
-        # add and LayerNorm) is stored in bf16, sums and LayerNorm statistics in fp32; no effect without it.
-        self.bf16_residual = o.bf16_residual
-        # trainer.unpadded_attention: `forward` (training and validation loss) runs on the real tokens only,
-        # packed, with variable-length attention; decoding (`encode`, `decode` with a cache) stays padded.
-        self.unpadded_attention = o.unpadded_attention
         if o.unpadded_attention:
             load_kernels()
         if a.tie_embeddings == "all" and not (a.shared_vocab and a.tgt_vocab_size <= a.src_vocab_size):
@@ -191,6 +185,18 @@ class Transformer(nn.Module):
             self.register_load_state_dict_pre_hook(_fuse_old_keys)
         else:  # torch < 2.5 has only the private name
             self._register_load_state_dict_pre_hook(_fuse_old_keys, with_module=True)
+
+    @property
+    def bf16_residual(self) -> bool:
+        """Under bf16 autocast the stream between sublayers (embeddings, every residual add and LayerNorm) is
+        stored in bf16, sums and LayerNorm statistics in fp32; no effect without it."""
+        return self.options.bf16_residual
+
+    @property
+    def unpadded_attention(self) -> bool:
+        """`forward` (training and validation loss) runs on the real tokens only, packed, with variable-length
+        attention; decoding (`encode`, `decode` with a cache) stays padded."""
+        return self.options.unpadded_attention
 
     @classmethod
     def from_config(cls, model_cfg, src_vocab_size: int, tgt_vocab_size: int,
