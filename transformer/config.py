@@ -185,7 +185,7 @@ class BenchConfig:
     length_std: float = 12.0  # the target length is the source length plus normal(0, std / 4) noise
     min_len: int = 2  # shortest synthetic sentence
     max_len: int = 128  # longest synthetic sentence
-    peak_tflops: Optional[float] = None  # the accelerator's peak for MFU; None: from the table of known GPUs
+    peak_tflops: Optional[float] = None  # peak for MFU; None: a known GPU's datasheet, a CPU's torch.mm measured
     profile: bool = True  # profile a few more steps (torch.profiler): device busy fraction and the top operators
     profile_steps: int = 5  # steps in the profile window
     top: int = 15  # operators listed: kernels by self device time on a GPU, ops by self CPU time on a CPU

@@ -63,6 +63,7 @@ def test_bench_prints_a_sane_table_and_json_line(tmp_path):
     assert r["flops_per_step"] > 1e6
     assert r["achieved_tflops"] * 1e12 == pytest.approx(r["flops_per_step"] * 3 * 2 / r["wall_s"], rel=1e-3)
     assert r["mfu"] == pytest.approx(r["achieved_tflops"] / 0.5, rel=1e-6)
+    assert r["peak_source"] == "bench.peak_tflops" and r["peak_probes"] is None  # a given peak: nothing probed
     # Useful work is the real tokens': padding is waste, so MFU on real tokens is at most the computed count's.
     assert 0 < r["waste_padding"] < 0.5 and r["waste_pad_multiple"] == 0  # eager: no pad-to-multiple
     assert r["flops_per_step"] == pytest.approx(r["flops_computed_per_step"] * (1 - r["waste_padding"]), rel=1e-9)
@@ -310,6 +311,9 @@ def test_bench_on_multi30k_batches(tmp_path):
     assert r["tgt_tokens_per_s"] * r["wall_s"] / r["steps"] > 1024  # timed at that size, not the ramp's 512
     assert r["target_padding"] < 0.2  # token-bucketed batches of similar lengths
     assert r["tgt_tokens_per_s"] > 0
+    # No bench.peak_tflops on a CPU: torch.mm probed just before and just after the timed steps, the higher counts.
+    assert len(r["peak_probes"]) == 2 and r["peak_tflops"] == max(r["peak_probes"]) > 0
+    assert r["peak_source"] == f"torch.mm {r['compute']} at the model's shapes" and 0 < r["mfu"] < r["mfu_computed"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["root"]
 
 

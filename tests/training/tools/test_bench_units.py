@@ -70,3 +70,18 @@ def test_a_gpu_record_reports_its_kernels_its_captures_and_an_unknown_peak():
     assert "n/a (one worker)" in text and "0.00 synchronising calls" in text
     cpu = table(gpu_record(device="cpu", kernel_account={"ops": 1234}, cuda_graphs_captured=None))
     assert "n/a on CPU" in cpu and "1,234 aten calls" in cpu and "CUDA graphs captured" not in cpu
+
+
+@pytest.mark.parametrize("probes, busy", [([0.88, 0.86], False), ([0.108, 0.182], True)])
+def test_a_cpu_record_shows_both_peak_probes_and_says_when_one_met_a_busy_machine(probes, busy):
+    peak = max(probes)
+    text = table(gpu_record(device="cpu", kernel_account={"ops": 1}, cuda_graphs_captured=None, mfu=0.2 / peak,
+                            mfu_computed=0.21 / peak, mfu_spread={"median": 0.2 / peak, "min": 0.2 / peak,
+                                                                  "max": 0.2 / peak},
+                            peak_tflops=peak, peak_source="torch.mm bf16 at the model's shapes", peak_probes=probes))
+    row = next(line for line in text.splitlines() if line.lstrip().startswith("peak probes"))
+    assert " / ".join(f"{p:.4g}" for p in probes) + " TFLOP/s before / after the timed steps" in row
+    assert ("the machine was busy" in row) is busy
+    assert f"of {peak:.4g} TFLOP/s (torch.mm bf16" in text  # MFU divides by the higher probe
+    assert "peak probes" not in table(gpu_record())  # a GPU's datasheet peak: nothing probed
+

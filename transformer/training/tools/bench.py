@@ -176,6 +176,14 @@ def run_steps(trainer, batches, n: int, progress: Progress, totals: Optional[Tot
         progress.update()
 
 
+def cpu_probe(trainer) -> float:
+    """The CPU's `torch.mm` peak at the model's shapes, TFLOP/s (transformer/training/tools/peak.py). `measure`
+    probes just before and just after the timed windows and the higher counts: on a shared host one probe can meet
+    a busy neighbour and read far low (docs/benchmarks/2026-12-03-cpu-step.md)."""
+    compute = speedups.compute_type(trainer.amp_dtype, trainer.env.device)
+    return cpu_peak_tflops(trainer.model.args, trainer.data.train_sampler.max_tokens, compute)
+
+
 def timed_steps(b, device: torch.device) -> int:
     """bench.steps, or its default: 100 on a GPU (a step there is milliseconds), 20 on a CPU."""
     if b.steps is not None:
@@ -199,6 +207,7 @@ def measure(trainer, b) -> dict:
     captured_warm = captured(trainer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    probes = [cpu_probe(trainer)] if device.type == "cpu" and not b.peak_tflops else []
     trainer.stepper.marks = timer = StepTimer(device)  # the step's phase marks, timed
     windows = []  # (wall seconds, Totals) of each repeat
     flag = LaggedFlag()  # the trainer's: its waits are the host syncs of the stop flag
@@ -210,6 +219,8 @@ def measure(trainer, b) -> dict:
         windows.append((time.perf_counter() - t0, totals.tally()))
     trainer.stepper.marks = NO_MARKS
     progress.close()
+    if probes:
+        probes.append(cpu_probe(trainer))
     phases, host_phases = timer.summary(), timer.host_summary()
     graphs = speedups.compiled_graphs()
     prof = None
@@ -224,6 +235,7 @@ def measure(trainer, b) -> dict:
             "compile_cache": regional_compile.compile_cache_hits() if trainer.tcfg.compile else None,
             "cuda_graphs_captured": captured(trainer),
             "cuda_graphs_captured_timed": captured(trainer) - captured_warm if trainer.graphs is not None else None,
+            "peak_probes": probes,
             "peak_mem_gb": peak_memory_gb(device),
             # what the caching allocator holds, CUDA graphs' private pools included: the peak above resets after
             # the warm-up, so it leaves out the memory of graphs captured there
@@ -290,9 +302,8 @@ def summarise(trainer, cfg, m: dict) -> dict:
     peak, peak_source = b.peak_tflops, "bench.peak_tflops"
     if not peak and env.device.type == "cuda":
         peak, peak_source = peak_tflops(name, compute), "datasheet"
-    elif not peak and env.device.type == "cpu":  # no datasheet: torch.mm at the model's shapes, now
-        peak, peak_source = cpu_peak_tflops(trainer.model.args, trainer.data.train_sampler.max_tokens, compute), \
-            f"torch.mm {compute} at the model's shapes"
+    elif not peak and env.device.type == "cpu":  # no datasheet: torch.mm at the model's shapes, around the windows
+        peak, peak_source = max(m["peak_probes"]), f"torch.mm {compute} at the model's shapes"
     step_ms = 1e3 * local_wall / total_steps
     split = {"data_wait_ms": 1e3 * t.data_s / total_steps,
              **{f"{k}_ms": v for k, v in m["phases"].items()}}
@@ -330,7 +341,7 @@ def summarise(trainer, cfg, m: dict) -> dict:
         "waste_padding": (t.flops_batch - t.flops_real) / max(t.flops_run, 1),
         "waste_pad_multiple": (t.flops_run - t.flops_batch) / max(t.flops_run, 1),
         "achieved_tflops": achieved / 1e12, "achieved_tflops_computed": achieved_run / 1e12, "peak_tflops": peak,
-        "peak_source": peak_source if peak else None,
+        "peak_source": peak_source if peak else None, "peak_probes": m["peak_probes"] or None,
         "mfu": achieved / (peak * 1e12) if peak else None,
         "mfu_computed": achieved_run / (peak * 1e12) if peak else None,
         "mfu_spread": _spread(mfu_window) if mfu_window else None,

@@ -57,6 +57,11 @@ def table(r: dict) -> str:
         ("achieved", f"{r['achieved_tflops']:.4g} TFLOP/s on real tokens (per worker)"),
         ("MFU", mfu),
     ]
+    probes = r.get("peak_probes")
+    if probes:  # a CPU's measured peak: a probe that met a busy neighbour reads low
+        rows.append(("  peak probes", " / ".join(f"{p:.4g}" for p in probes) + " TFLOP/s before / after the timed "
+                     "steps: the higher counts" + ("; they differ by over 20%: the machine was busy"
+                                                   if min(probes) < 0.8 * max(probes) else "")))
     rows.append(("host syncs / step", f"{r['flag_waits_per_step']:.2f} stop-flag event waits; " + (
         f"{r['host_syncs_per_step']:.2f} synchronising calls (sync debug mode, profile window)"
         if r["host_syncs_per_step"] is not None else "synchronising calls: n/a (GPU only)")))
