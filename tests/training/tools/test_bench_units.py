@@ -84,4 +84,3 @@ def test_a_cpu_record_shows_both_peak_probes_and_says_when_one_met_a_busy_machin
     assert ("the machine was busy" in row) is busy
     assert f"of {peak:.4g} TFLOP/s (torch.mm bf16" in text  # MFU divides by the higher probe
     assert "peak probes" not in table(gpu_record())  # a GPU's datasheet peak: nothing probed
-
