@@ -6,10 +6,11 @@ asserts nothing.
 
 First `transformer-bench`'s own measurement of the config (its step time, MFU and the `torch.mm` peak probed
 around the timed steps, bench.* overrides apply), then `--steps` more steps (the stream's first batches again)
-with every product the step dispatches recorded, forward and backward: aten's mm, addmm, bmm and baddbmm with their shapes,
-strides and dtypes, and the fused attention kernels (scaled_dot_product_*, whose products run inside them). Each
-distinct call is then replayed alone on random tensors of the same layout, the best of repeated calls as the peak
-probe takes it, so the sum is an optimistic time of the step's products with everything around them free.
+with every product the step dispatches recorded, forward and backward: aten's mm, addmm, bmm and baddbmm with
+their shapes, strides and dtypes, and the fused attention kernels (scaled_dot_product_*, whose products run inside
+them). Each distinct call is then replayed alone on random tensors of the same layout, the best of repeated calls
+as the peak probe takes it, so the sum is an optimistic time of the step's products with everything around them
+free.
 
 The last line is the ceiling: the recorded steps' useful FLOPs (real tokens, transformer/model/flops.py) over
 that time, as a share of the peak. An eager step whose products alone stay under a target cannot reach it,
@@ -99,7 +100,7 @@ def best_seconds(func, frozen, contiguous: bool = False, seconds: float = 0.05) 
 
 
 def gemm_flops(func, frozen) -> int:
-    """2·m·k·n (times the batch for bmm): 0 for the attention kernels, whose FLOPs the model count has."""
+    """2·m·k·n (times the batch for bmm and baddbmm) of a call of the mm family."""
     args = frozen[0]
     a, b = (args[1], args[2]) if func in (aten.addmm.default, aten.baddbmm.default) else (args[0], args[1])
     (*batch, m, k), n = a[0], b[0][-1]
@@ -131,8 +132,8 @@ class Row(NamedTuple):
 
 
 def record_products(trainer, steps: int):
-    """{(op, frozen args): calls} over `steps` more steps of the bench's batch stream, and their useful FLOPs
-    per step."""
+    """{(op, frozen args): calls} over `steps` more steps (the stream's first batches again), and their useful
+    FLOPs per step."""
     totals, log = bench.Totals(trainer.model.args, trainer.pad_multiple, bench.shape_of(trainer)), ProductLog()
     batches = bench.endless_batches(trainer.data)
     with log:
