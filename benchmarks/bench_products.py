@@ -22,7 +22,6 @@ import collections
 import itertools
 import operator
 import sys
-import time
 from pathlib import Path
 from typing import List, NamedTuple, Optional
 
@@ -37,6 +36,7 @@ from transformer import dist  # noqa: E402
 from transformer.training.loop.hotpath import LaggedFlag  # noqa: E402
 from transformer.training.reporting.logs import Progress  # noqa: E402
 from transformer.training.tools import bench  # noqa: E402
+from transformer.training.tools.peak import best_call_seconds  # noqa: E402
 
 aten = torch.ops.aten
 GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
@@ -89,14 +89,7 @@ class ProductLog(TorchDispatchMode):
 def best_seconds(func, frozen, contiguous: bool = False, seconds: float = 0.05) -> float:
     args = [_thaw(a, contiguous) for a in frozen[0]]
     kwargs = {k: _thaw(v, contiguous) for k, v in frozen[1]}
-    func(*args, **kwargs)
-    best, spent = float("inf"), 0.0
-    while spent < seconds or best == float("inf"):
-        t0 = time.perf_counter()
-        func(*args, **kwargs)
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-    return best
+    return best_call_seconds(lambda: func(*args, **kwargs), seconds)
 
 
 def gemm_flops(func, frozen) -> int:

@@ -27,14 +27,19 @@ def mm_tflops(shape: Shape, dtype: torch.dtype, seconds: float = 0.25, device: s
     machine the mean measures the neighbours too, and a peak is what the hardware can do."""
     m, k, n = shape
     a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
-    torch.mm(a, b)
+    return 2 * m * k * n / best_call_seconds(lambda: torch.mm(a, b), seconds) / 1e12
+
+
+def best_call_seconds(call, seconds: float) -> float:
+    """The fastest of repeated `call()`s over about `seconds`, after one untimed call (at least one timed)."""
+    call()
     best, spent = float("inf"), 0.0
     while spent < seconds or best == float("inf"):
         t0 = time.perf_counter()
-        torch.mm(a, b)
+        call()
         dt = time.perf_counter() - t0
         best, spent = min(best, dt), spent + dt
-    return 2 * m * k * n / best / 1e12
+    return best
 
 
 def mm_peak_tflops(shapes: Iterable[Shape], dtype: torch.dtype, seconds: float = 0.25) -> float:
